@@ -1,0 +1,7 @@
+"""flowgrpo: group-relative RL for flow-matching, diffusion and language models.
+
+Importing the package is light: model libraries (diffusers, transformers) are imported only by the
+modules that need them.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,95 @@
+"""Load typed configs: a YAML file, then `key.sub=value` overrides, validated strictly.
+
+Values in overrides are parsed as YAML (`lr=1e-4`, `use_lora=true`, `steps=[1,2]`). Errors name the
+key path and, for unknown keys, the valid ones.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable, Optional, Type, TypeVar
+
+import copy
+import re
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads `1e-4` as a string; ML configs mean a float."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\d[\d_]*\.?[\d_]*(?:[eE][-+]?\d+)|\d[\d_]*\.[\d_]*|\.\d[\d_]*(?:[eE][-+]?\d+)?"
+               r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."),
+)
+
+
+def parse_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message says where and why."""
+
+
+def apply_override(data: dict, override: str) -> None:
+    """Set `a.b.c=value` in a nested dict, creating levels as needed."""
+    if "=" not in override:
+        raise ConfigError(f"override '{override}': expected key=value")
+    key, raw = override.split("=", 1)
+    path = key.strip().split(".")
+    if not all(path):
+        raise ConfigError(f"override '{override}': empty key segment")
+    node = data
+    for i, part in enumerate(path[:-1]):
+        child = node.setdefault(part, {})
+        if isinstance(child, str):  # a part given by name only ("bounds: symmetric") gains settings
+            child = node[part] = {"name": child}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override '{override}': '{'.'.join(path[:i + 1])}' is not a section")
+        node = child
+    node[path[-1]] = parse_yaml(raw) if raw.strip() else None
+
+
+def deep_merge(base: dict, update: dict) -> dict:
+    """`update` over `base`, merging nested mappings key by key."""
+    out = copy.deepcopy(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def load_config(model: Type[M], path: Optional[str | Path] = None, overrides: Iterable[str] = (),
+                defaults: Optional[dict] = None) -> M:
+    """Build `model` from defaults, then a YAML file, then overrides (each merged key by key)."""
+    data: dict[str, Any] = deep_merge({}, defaults or {})
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        loaded = parse_yaml(p.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: expected a mapping at the top level, got {type(loaded).__name__}")
+        data = deep_merge(data, loaded)
+    for item in overrides:
+        apply_override(data, item)
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        lines = [f"  {'.'.join(str(x) for x in e['loc']) or '(top level)'}: {e['msg']}" for e in err.errors()]
+        where = f" ({path})" if path is not None else ""
+        raise ConfigError(f"invalid {model.__name__}{where}:\n" + "\n".join(lines)) from None
+
+
+def dump_config(config: BaseModel, path: str | Path) -> None:
+    """Write the resolved config as YAML (what the run actually used)."""
+    Path(path).write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))

@@ -1,0 +1,475 @@
+"""Policy losses composed from named parts: ratio -> bounds -> surrogate -> weights -> regularisers -> aggregation.
+
+The action axis is tokens (text policies) or denoising steps (image policies): every tensor is
+[N, T] with a mask, N sequences (or trajectories, or tree edges) of T actions. Each part is a small
+function of a `LossContext` and its own settings, registered by name; `requires` names the optional
+inputs it reads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from .config import LossConfig
+from .registry import Registry
+
+RATIOS = Registry("ratio")
+BOUNDS = Registry("bounds")
+SURROGATES = Registry("surrogate")
+AGGREGATIONS = Registry("aggregation")
+KL_ESTIMATORS = Registry("KL estimator")
+STEP_WEIGHTINGS = Registry("step weighting")
+
+
+@dataclass
+class LossInputs:
+    """Per-action tensors, all [N, T] unless noted.
+
+    logp / logp_old:  log-prob of each action under the current / rollout policy (flows: Gaussian
+                      transition log-prob, mean over latent dims).
+    advantages:       [N] (broadcast over actions) or [N, T].
+    mask:             bool, which actions count.
+    sample_weight:    [N] or [N, T] multipliers (0 drops; MC-GRPO pivot, filtered groups).
+    logp_ref:         reference-policy log-prob (KL k1/k2/k3/k3+).
+    entropy:          per-action entropy (entropy bonus).
+    mean_sqdist_old:  mean over latent dims of (mean_new - mean_old)^2 (GRPO-Guard RatioNorm).
+    mean_sqdist_ref:  mean over latent dims of (mean_new - mean_ref)^2 (closed-form Gaussian KL).
+    std:              transition std of each step (flows).
+    dt:               step size sigma_i - sigma_{i+1} of each step (flows).
+    """
+
+    logp: Tensor
+    logp_old: Tensor
+    advantages: Tensor
+    mask: Tensor
+    sample_weight: Optional[Tensor] = None
+    logp_ref: Optional[Tensor] = None
+    entropy: Optional[Tensor] = None
+    mean_sqdist_old: Optional[Tensor] = None
+    mean_sqdist_ref: Optional[Tensor] = None
+    std: Optional[Tensor] = None
+    dt: Optional[Tensor] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.logp, Tensor) or self.logp.dim() != 2:
+            raise ValueError(f"logp: expected a [N, T] tensor, got {getattr(self.logp, 'shape', type(self.logp))}")
+        shape = tuple(self.logp.shape)
+        if self.mask.shape != shape:
+            raise ValueError(f"mask: expected shape {list(shape)} (as logp), got {list(self.mask.shape)}")
+        self.mask = self.mask.bool()
+        if self.advantages.dim() == 1:
+            self.advantages = self.advantages.unsqueeze(1)
+        if self.advantages.shape not in (shape, (shape[0], 1)):
+            raise ValueError(f"advantages: expected shape [{shape[0]}] or {list(shape)}, got {list(self.advantages.shape)}")
+        if self.sample_weight is not None:
+            if self.sample_weight.dim() == 1:
+                self.sample_weight = self.sample_weight.unsqueeze(1)
+            if self.sample_weight.shape not in (shape, (shape[0], 1)):
+                raise ValueError(f"sample_weight: expected shape [{shape[0]}] or {list(shape)}, "
+                                 f"got {list(self.sample_weight.shape)}")
+        for name in ("logp_old", "logp_ref", "entropy", "mean_sqdist_old", "mean_sqdist_ref", "std", "dt"):
+            t = getattr(self, name)
+            if t is not None and tuple(t.shape) != shape:
+                raise ValueError(f"{name}: expected shape {list(shape)} (as logp), got {list(t.shape)}")
+
+    def split(self, index: Tensor) -> "LossInputs":
+        """The rows `index` of every tensor (a micro-batch)."""
+        return replace(self, **{f.name: getattr(self, f.name)[index] for f in fields(self)
+                                if getattr(self, f.name) is not None})
+
+
+@dataclass
+class LossNormalizer:
+    """Global normalisers, counted over the whole optimisation batch (all micro-batches and ranks).
+
+    Passing the same normaliser to every micro-batch makes the summed loss independent of how the
+    batch is split. `from_inputs` counts a batch; `all_reduce` sums the counts over ranks.
+    """
+
+    num_tokens: float
+    num_seqs: float
+    const_len: Optional[float] = None
+    pos_tokens: float = 0.0
+    neg_tokens: float = 0.0
+    pos_seqs: float = 0.0
+    neg_seqs: float = 0.0
+    std_sum: float = 0.0  # sum of the step std over masked actions (noise-aware weighting)
+
+    @classmethod
+    def from_inputs(cls, inputs: LossInputs, const_len: Optional[float] = None) -> "LossNormalizer":
+        m = inputs.mask
+        sign = torch.sign(inputs.advantages).expand_as(m)
+        pos, neg = m & (sign > 0), m & (sign < 0)
+        return cls(
+            num_tokens=float(m.sum()),
+            num_seqs=float(m.any(1).sum()),
+            const_len=const_len,
+            pos_tokens=float(pos.sum()), neg_tokens=float(neg.sum()),
+            pos_seqs=float(pos.any(1).sum()), neg_seqs=float(neg.any(1).sum()),
+            std_sum=float(inputs.std[m].sum()) if inputs.std is not None else 0.0,
+        )
+
+    def all_reduce(self, reduce: Optional[Callable[[Tensor], Tensor]] = None) -> "LossNormalizer":
+        """Sum the counts over data-parallel ranks (torch.distributed by default)."""
+        names = ["num_tokens", "num_seqs", "pos_tokens", "neg_tokens", "pos_seqs", "neg_seqs", "std_sum"]
+        t = torch.tensor([getattr(self, n) for n in names], dtype=torch.float64)
+        if reduce is None:
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_initialized()):
+                return self
+            dist.all_reduce(t)
+        else:
+            t = reduce(t)
+        return replace(self, **{n: float(v) for n, v in zip(names, t.tolist())})
+
+
+@dataclass
+class LossContext:
+    inputs: LossInputs
+    norm: LossNormalizer
+    raw_log_ratio: Tensor
+    log_ratio_clamp: float
+    ratio: Optional[Tensor] = None
+    low: Tensor | float = 0.0
+    high: Tensor | float = math.inf
+
+    @property
+    def adv(self) -> Tensor:
+        return self.inputs.advantages
+
+
+@dataclass
+class LossOutput:
+    loss: Tensor
+    per_action: Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    return torch.where(mask, x, torch.zeros_like(x)).sum() / mask.sum().clamp_min(1)
+
+
+def _seq_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Mean over the masked actions of each row, [N, 1]."""
+    return torch.where(mask, x, torch.zeros_like(x)).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp_min(1)
+
+
+# --- ratio ---------------------------------------------------------------------------------------
+
+
+@RATIOS.register("token")
+def token_ratio(ctx: LossContext) -> Tensor:
+    """pi / pi_old per action."""
+    return ctx.raw_log_ratio.clamp(-ctx.log_ratio_clamp, ctx.log_ratio_clamp).exp()
+
+
+@RATIOS.register("sequence")
+def sequence_ratio(ctx: LossContext) -> Tensor:
+    """GSPO: exp(mean log-ratio over the sequence), the same value for every action of a row."""
+    lr = _seq_mean(ctx.raw_log_ratio, ctx.inputs.mask)
+    return lr.clamp(-ctx.log_ratio_clamp, ctx.log_ratio_clamp).exp().expand_as(ctx.raw_log_ratio)
+
+
+@RATIOS.register("sequence_token")
+def sequence_token_ratio(ctx: LossContext) -> Tensor:
+    """GSPO-token: value of the sequence ratio, gradient of each token's own log-prob."""
+    seq = _seq_mean(ctx.raw_log_ratio, ctx.inputs.mask).detach()
+    logp = ctx.inputs.logp
+    return (seq.clamp(-ctx.log_ratio_clamp, ctx.log_ratio_clamp) + logp - logp.detach()).exp()
+
+
+@RATIOS.register("ratio_norm", requires=("mean_sqdist_old", "std"))
+def ratio_norm(ctx: LossContext) -> Tensor:
+    """GRPO-Guard RatioNorm for Gaussian steps: exp(std * (log-ratio + |mu - mu_old|^2 / (2 std^2))).
+
+    The normalised log-ratio equals mean_d(noise * (mu - mu_old)): zero mean over the sampling noise
+    and the same scale at every step. The bias term keeps its gradient (it is not detached).
+    """
+    std = ctx.inputs.std
+    normed = std * (ctx.raw_log_ratio + ctx.inputs.mean_sqdist_old / (2 * std**2))
+    return normed.clamp(-ctx.log_ratio_clamp, ctx.log_ratio_clamp).exp()
+
+
+def guard_log_ratio(logp: Tensor, logp_old: Tensor, mean_sqdist_old: Tensor, std: Tensor) -> Tensor:
+    """The RatioNorm log-ratio on its own (diagnostics and tests)."""
+    return std * (logp - logp_old + mean_sqdist_old / (2 * std**2))
+
+
+# --- bounds --------------------------------------------------------------------------------------
+
+
+@BOUNDS.register("symmetric")
+def symmetric(ctx: LossContext, *, eps: float = 0.2) -> tuple[float, float]:
+    """[1 - eps, 1 + eps] (PPO; Flow-GRPO uses eps = 1e-4)."""
+    return 1 - eps, 1 + eps
+
+
+@BOUNDS.register("asymmetric")
+def asymmetric(ctx: LossContext, *, eps_low: float = 0.2, eps_high: float = 0.28) -> tuple[float, float]:
+    """[1 - eps_low, 1 + eps_high] (DAPO clip-higher)."""
+    return 1 - eps_low, 1 + eps_high
+
+
+@BOUNDS.register("dcpo")
+def dcpo(ctx: LossContext, *, eps_low: float = 0.16, eps_high: float = 0.2) -> tuple[Tensor, Tensor]:
+    """DCPO probability-adaptive bounds from the old token probability q: wider for rare tokens."""
+    q = ctx.inputs.logp_old.detach().exp().clamp_min(1e-12)
+    low = 0.5 + 0.5 * torch.sqrt((1 - 4 * eps_low / q).clamp_min(0))
+    high = 0.5 + 0.5 * torch.sqrt(1 + 4 * eps_high / q)
+    return low, high
+
+
+# --- surrogate -----------------------------------------------------------------------------------
+
+
+@SURROGATES.register("ppo_clip")
+def ppo_clip(ctx: LossContext, *, dual_clip: Optional[float] = None, delta: Optional[float] = None) -> Tensor:
+    """max(-A r, -A clip(r, low, high)); `dual_clip` c caps the loss of A < 0 at -A c; `delta` caps r (two-sided)."""
+    r, a = ctx.ratio, ctx.adv
+    unclipped = -a * (r.clamp(max=delta) if delta is not None else r)
+    loss = torch.maximum(unclipped, -a * torch.clamp(r, ctx.low, ctx.high))
+    if dual_clip is not None:
+        loss = torch.where(a < 0, torch.minimum(loss, -a * dual_clip), loss)
+    return loss
+
+
+@SURROGATES.register("sapo")
+def sapo(ctx: LossContext, *, tau_pos: float = 1.0, tau_neg: float = 1.05) -> Tensor:
+    """SAPO soft gate: -(4 / tau) sigmoid(tau (r - 1)) A; its gradient at r = 1 is the policy gradient."""
+    tau = torch.where(ctx.adv > 0, torch.full_like(ctx.adv, tau_pos), torch.full_like(ctx.adv, tau_neg))
+    return -(4 / tau) * torch.sigmoid(tau * (ctx.ratio - 1)) * ctx.adv
+
+
+@SURROGATES.register("cispo")
+def cispo(ctx: LossContext) -> Tensor:
+    """CISPO: -sg(clip(r, low, high)) A log pi; clipped actions still get a gradient."""
+    weight = torch.clamp(ctx.ratio, ctx.low, ctx.high).detach()
+    return -weight * ctx.adv * ctx.inputs.logp
+
+
+@SURROGATES.register("reinforce")
+def reinforce(ctx: LossContext) -> Tensor:
+    """Plain REINFORCE: -A log pi (no ratio, no clipping)."""
+    return -ctx.adv * ctx.inputs.logp
+
+
+# --- per-step weighting (image policies) ---------------------------------------------------------
+
+
+@STEP_WEIGHTINGS.register("none")
+def no_weighting(ctx: LossContext) -> float:
+    """Every action weighs 1."""
+    return 1.0
+
+
+@STEP_WEIGHTINGS.register("inv_dt", requires=("dt",))
+def inv_dt(ctx: LossContext) -> Tensor:
+    """GRPO-Guard gradient reweighting: 1 / dt equalises the gradient scale across noise levels."""
+    return 1.0 / ctx.inputs.dt
+
+
+@STEP_WEIGHTINGS.register("noise_aware", requires=("std",))
+def noise_aware(ctx: LossContext) -> Tensor:
+    """TempFlow-GRPO: std_i / mean std over the batch's trained steps (weights average 1)."""
+    mean_std = ctx.norm.std_sum / max(ctx.norm.num_tokens, 1.0)
+    return ctx.inputs.std / mean_std
+
+
+# --- KL to the reference policy ------------------------------------------------------------------
+
+
+def _ref_gap(ctx: LossContext) -> Tensor:
+    return ctx.inputs.logp_ref - ctx.inputs.logp  # log(pi_ref / pi)
+
+
+@KL_ESTIMATORS.register("k1", requires=("logp_ref",))
+def k1(ctx: LossContext) -> Tensor:
+    """log pi - log pi_ref."""
+    return -_ref_gap(ctx)
+
+
+@KL_ESTIMATORS.register("k2", requires=("logp_ref",))
+def k2(ctx: LossContext) -> Tensor:
+    """(log pi - log pi_ref)^2 / 2: its gradient is the unbiased gradient of KL(pi || pi_ref)."""
+    return 0.5 * _ref_gap(ctx) ** 2
+
+
+@KL_ESTIMATORS.register("k3", requires=("logp_ref",))
+def k3(ctx: LossContext) -> Tensor:
+    """exp(ref - logp) - (ref - logp) - 1 (low variance, non-negative)."""
+    gap = _ref_gap(ctx)
+    return gap.exp() - gap - 1
+
+
+@KL_ESTIMATORS.register("k3+", requires=("logp_ref",))
+def k3_plus(ctx: LossContext) -> Tensor:
+    """Straight-through: the value of k3 with the gradient of k2."""
+    value, grad = k3(ctx), k2(ctx)
+    return value.detach() + grad - grad.detach()
+
+
+@KL_ESTIMATORS.register("gaussian", requires=("mean_sqdist_ref", "std"))
+def gaussian_kl(ctx: LossContext) -> Tensor:
+    """Closed-form KL of two Gaussian transitions with equal std: mean_d |mu - mu_ref|^2 / (2 std^2)."""
+    return ctx.inputs.mean_sqdist_ref / (2 * ctx.inputs.std**2)
+
+
+# --- aggregation ---------------------------------------------------------------------------------
+
+
+def _masked_sum(x: Tensor, mask: Tensor) -> Tensor:
+    return torch.where(mask, x, torch.zeros_like(x)).sum()
+
+
+@AGGREGATIONS.register("token_mean")
+def token_mean(values: Tensor, ctx: LossContext) -> Tensor:
+    """Sum over actions / the global action count (DAPO; invariant to micro-batching)."""
+    return _masked_sum(values, ctx.inputs.mask) / max(ctx.norm.num_tokens, 1.0)
+
+
+@AGGREGATIONS.register("local_token_mean")
+def local_token_mean(values: Tensor, ctx: LossContext) -> Tensor:
+    """Sum / this micro-batch's action count (TRL bnpo; NOT invariant to micro-batching)."""
+    return _masked_sum(values, ctx.inputs.mask) / ctx.inputs.mask.sum().clamp_min(1)
+
+
+@AGGREGATIONS.register("seq_mean_token_mean")
+def seq_mean_token_mean(values: Tensor, ctx: LossContext) -> Tensor:
+    """Mean over each sequence's actions, then sum / the global sequence count (GRPO, GSPO, SAPO)."""
+    m = ctx.inputs.mask
+    return _seq_mean(values, m)[m.any(1)].sum() / max(ctx.norm.num_seqs, 1.0)
+
+
+@AGGREGATIONS.register("seq_mean_token_sum")
+def seq_mean_token_sum(values: Tensor, ctx: LossContext) -> Tensor:
+    """Sum over each sequence's actions, then / the global sequence count (DCPO OTM)."""
+    return _masked_sum(values, ctx.inputs.mask) / max(ctx.norm.num_seqs, 1.0)
+
+
+@AGGREGATIONS.register("seq_mean_token_sum_norm")
+def seq_mean_token_sum_norm(values: Tensor, ctx: LossContext) -> Tensor:
+    """Dr. GRPO: sum / (global sequence count * a constant length; default the padded length T)."""
+    length = ctx.norm.const_len or values.shape[1]
+    return _masked_sum(values, ctx.inputs.mask) / (max(ctx.norm.num_seqs, 1.0) * length)
+
+
+@AGGREGATIONS.register("balanced")
+def balanced(values: Tensor, ctx: LossContext) -> Tensor:
+    """Balanced aggregation: token means of the positive and negative subsets, weighted by sequence counts.
+
+    The subsets are split by the sign of each action's advantage; actions with A = 0 are in neither.
+    (Batch scope; the paper's group-vs-batch scope is unverified.)
+    """
+    m = ctx.inputs.mask
+    sign = torch.sign(ctx.adv).expand_as(m)
+    n = ctx.norm
+    total_seqs = max(n.pos_seqs + n.neg_seqs, 1.0)
+    pos = _masked_sum(values, m & (sign > 0)) / max(n.pos_tokens, 1.0)
+    neg = _masked_sum(values, m & (sign < 0)) / max(n.neg_tokens, 1.0)
+    return (n.pos_seqs * pos + n.neg_seqs * neg) / total_seqs
+
+
+# --- the loss ------------------------------------------------------------------------------------
+
+PRESETS: dict[str, dict] = {
+    # named like TRL's `loss_type`, so numbers can be cross-checked against TRL
+    "grpo": {"bounds": {"name": "symmetric", "eps": 0.2}, "aggregation": "seq_mean_token_mean"},
+    "bnpo": {"bounds": {"name": "symmetric", "eps": 0.2}, "aggregation": "local_token_mean"},
+    "dr_grpo": {"bounds": {"name": "symmetric", "eps": 0.2}, "aggregation": "seq_mean_token_sum_norm"},
+    "dapo": {"bounds": {"name": "asymmetric", "eps_low": 0.2, "eps_high": 0.28}, "aggregation": "token_mean"},
+    "gspo": {"ratio": "sequence", "bounds": {"name": "asymmetric", "eps_low": 3e-4, "eps_high": 4e-4},
+             "aggregation": "seq_mean_token_mean"},
+    "sapo": {"surrogate": "sapo", "aggregation": "seq_mean_token_mean"},
+    # TRL caps the CISPO weight from above only, at epsilon_high = 5: bounds [0, 5]
+    "cispo": {"surrogate": "cispo", "bounds": {"name": "asymmetric", "eps_low": 1.0, "eps_high": 4.0},
+              "aggregation": "token_mean"},
+    # image policies
+    "flow_grpo": {"bounds": {"name": "symmetric", "eps": 1e-4}, "aggregation": "token_mean",
+                  "kl": {"estimator": "gaussian", "coef": 0.0}},
+    "grpo_guard": {"ratio": "ratio_norm", "bounds": {"name": "symmetric", "eps": 1e-4},
+                   "aggregation": "token_mean", "step_weighting": "inv_dt",
+                   "kl": {"estimator": "gaussian", "coef": 0.0}},
+}
+
+
+def _check_requires(entry, inputs: LossInputs, slot: str) -> None:
+    for need in entry.requires:
+        if getattr(inputs, need) is None:
+            raise ValueError(f"{slot} '{entry.name}' needs LossInputs.{need}, which is missing")
+
+
+def policy_loss(inputs: LossInputs, config: Optional[LossConfig] = None,
+                norm: Optional[LossNormalizer] = None) -> LossOutput:
+    """The configured policy loss of one (micro-)batch, its per-action terms and metrics.
+
+    Pass the `norm` of the whole optimisation batch when the batch is split into micro-batches.
+    """
+    config = config or LossConfig()
+    norm = norm or LossNormalizer.from_inputs(inputs)
+    parts = {
+        "ratio": RATIOS.get(config.ratio.name),
+        "bounds": BOUNDS.get(config.bounds.name),
+        "surrogate": SURROGATES.get(config.surrogate.name),
+        "step weighting": STEP_WEIGHTINGS.get(config.step_weighting.name),
+        "aggregation": AGGREGATIONS.get(config.aggregation.name),
+    }
+    kl_entry = KL_ESTIMATORS.get(config.kl.estimator) if config.kl.coef else None
+    for slot, entry in parts.items():
+        _check_requires(entry, inputs, slot)
+    if kl_entry is not None:
+        _check_requires(kl_entry, inputs, "KL estimator")
+    if config.entropy_coef and inputs.entropy is None:
+        raise ValueError("entropy_coef is set but LossInputs.entropy is missing")
+
+    ctx = LossContext(inputs, norm, inputs.logp.float() - inputs.logp_old.float(), config.log_ratio_clamp)
+    ctx.ratio = parts["ratio"].fn(ctx, **config.ratio.settings)
+    ctx.low, ctx.high = parts["bounds"].fn(ctx, **config.bounds.settings)
+    per_action = parts["surrogate"].fn(ctx, **config.surrogate.settings)
+    weight = parts["step weighting"].fn(ctx, **config.step_weighting.settings)
+    if inputs.sample_weight is not None:
+        weight = inputs.sample_weight * weight
+    per_action = per_action * weight
+    aggregate = lambda v: parts["aggregation"].fn(v, ctx, **config.aggregation.settings)  # noqa: E731
+    metrics = {"loss/policy": float(aggregate(per_action.detach()))}
+    m = inputs.mask
+    if kl_entry is not None:
+        kl = kl_entry.fn(ctx)
+        per_action = per_action + config.kl.coef * kl
+        metrics["kl/ref_mean"] = float(_masked_mean(kl.detach(), m))
+    if config.entropy_coef:
+        per_action = per_action - config.entropy_coef * inputs.entropy
+        metrics["entropy/mean"] = float(_masked_mean(inputs.entropy.detach(), m))
+    loss = aggregate(per_action)
+    metrics.update(ratio_metrics(ctx))
+    metrics["loss/total"] = float(loss.detach())
+    return LossOutput(loss, torch.where(m, per_action, torch.zeros_like(per_action)), metrics)
+
+
+@torch.no_grad()
+def ratio_metrics(ctx: LossContext) -> dict[str, float]:
+    """Clip fractions (low side with A < 0, high side with A > 0), ratio range and approximate KL to old."""
+    m = ctx.inputs.mask
+    if not bool(m.any()):
+        return {}
+    r = ctx.ratio.detach()
+    a = ctx.adv.expand_as(r)
+    low = torch.as_tensor(ctx.low, dtype=r.dtype).expand_as(r)
+    high = torch.as_tensor(ctx.high, dtype=r.dtype).expand_as(r)
+    clip_low = (a < 0) & (r < low)
+    clip_high = (a > 0) & (r > high)
+    lr = ctx.raw_log_ratio.detach()
+    return {
+        "clip/low_frac": float(_masked_mean(clip_low.float(), m)),
+        "clip/high_frac": float(_masked_mean(clip_high.float(), m)),
+        "clip/frac": float(_masked_mean((clip_low | clip_high).float(), m)),
+        "ratio/min": float(r[m].min()),
+        "ratio/mean": float(r[m].mean()),
+        "ratio/max": float(r[m].max()),
+        "approx_kl": float(_masked_mean(0.5 * lr**2, m)),
+    }
