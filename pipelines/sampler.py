@@ -1,0 +1,264 @@
+"""Run a rollout plan on a model adapter; re-score edges under new weights.
+
+States at the same step are advanced in one batched forward whatever the plan's shape (chains, trees,
+side branches), so no per-node Python loop runs in the hot path. Every denoiser forward is counted,
+split by grad / no grad, in rows that actually went through the network (CFG doubles them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, Optional
+
+import torch
+from pydantic import Field
+from torch import Tensor
+
+from flowgrpo.core.config import PartSpec, StrictModel
+
+from .plans import RolloutPlan
+from .rollout import RolloutTree
+from .schedules import ddim_schedule, flow_schedule
+from .steps import KERNELS, StepOutput, rescore, step
+
+
+class SamplerConfig(StrictModel):
+    num_steps: int = 10
+    sde_kernel: PartSpec = Field(default_factory=lambda: PartSpec(name="flow_sde"))
+    guidance_scale: float = 4.5
+    cfg_mode: Literal["full", "none"] = "full"   # sampling; training re-scores with `train_cfg_mode`
+    train_cfg_mode: Literal["full", "detach_uncond", "none"] = "detach_uncond"
+    shift: Optional[float] = None                # None: the adapter's scheduler config decides
+    height: int = 32
+    width: int = 32
+    share_noise: bool = False                    # same initial noise for every root of a prompt
+    keep_means: bool = False                     # store the rollout mean of each edge (GRPO-Guard)
+
+    def model_post_init(self, __context: Any) -> None:
+        self.sde_kernel.check(KERNELS)
+
+
+@dataclass
+class Counters:
+    nfe_nograd: float = 0.0
+    nfe_grad: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"nfe_nograd": self.nfe_nograd, "nfe_grad": self.nfe_grad}
+
+
+@dataclass
+class _Nodes:
+    """Growing node storage, appended one batch (one step) at a time."""
+
+    parent: list = field(default_factory=list)
+    depth: list = field(default_factory=list)
+    prompt: list = field(default_factory=list)
+    continues: list = field(default_factory=list)
+    states: list = field(default_factory=list)
+    step: list = field(default_factory=list)
+    sde: list = field(default_factory=list)
+    trained: list = field(default_factory=list)
+    logp: list = field(default_factory=list)
+    std: list = field(default_factory=list)
+    mean: list = field(default_factory=list)
+    count: int = 0
+
+    def add(self, parent: Tensor, depth: int, prompt: Tensor, states: Tensor, *, continues: bool = True,
+            step_index: int = -1, sde: bool = False, trained: bool = False, out: Optional[StepOutput] = None,
+            keep_mean: bool = False) -> Tensor:
+        n = states.shape[0]
+        ids = torch.arange(self.count, self.count + n)
+        self.count += n
+        self.parent.append(parent)
+        self.depth.append(torch.full((n,), depth, dtype=torch.long))
+        self.prompt.append(prompt)
+        self.continues.append(torch.full((n,), continues))
+        self.states.append(states.detach())
+        self.step.append(torch.full((n,), step_index, dtype=torch.long))
+        self.sde.append(torch.full((n,), sde))
+        self.trained.append(torch.full((n,), trained))
+        self.logp.append(out.logp.detach().cpu() if out is not None else torch.full((n,), float("nan")))
+        std = torch.zeros(n) if out is None else out.std.detach().float().reshape(-1).expand(n).cpu()
+        self.std.append(std)
+        if keep_mean:
+            self.mean.append(out.mean.detach() if out is not None else torch.zeros_like(states, dtype=torch.float32))
+        return ids
+
+
+class Sampler:
+    """Runs plans for one sampler config and counts the denoiser's work."""
+
+    def __init__(self, config: Optional[SamplerConfig] = None):
+        self.config = config or SamplerConfig()
+        self.counters = Counters()
+
+    # --- kernels and schedule ------------------------------------------------------------------
+
+    def schedule(self, adapter):
+        cfg = self.config
+        if adapter.prediction == "epsilon":
+            return ddim_schedule(cfg.num_steps, config=adapter.scheduler_config)
+        if adapter.scheduler_config.get("use_dynamic_shifting"):  # FLUX: shift from the packed token count
+            _, h, w = adapter.latent_shape(cfg.height, cfg.width)
+            return flow_schedule(cfg.num_steps, image_seq_len=(h // 2) * (w // 2), config=adapter.scheduler_config)
+        return flow_schedule(cfg.num_steps, shift=cfg.shift, config=adapter.scheduler_config)
+
+    def _kernel(self, adapter, sde: bool, solver: str) -> tuple[str, dict]:
+        if adapter.prediction == "epsilon":
+            if solver == "dpm2m" and not sde:
+                raise ValueError("solver 'dpm2m' is for flow-matching models; epsilon models use ddim (eta 0)")
+            if sde:
+                if self.config.sde_kernel.name != "ddim":
+                    raise ValueError(f"sde_kernel '{self.config.sde_kernel.name}' is a flow-matching kernel; "
+                                     f"epsilon-prediction models ({adapter.family}) need 'ddim'")
+                return "ddim", self.config.sde_kernel.settings
+            return "ddim", {"eta": 0.0}
+        if sde:
+            if self.config.sde_kernel.name == "ddim":
+                raise ValueError(f"sde_kernel 'ddim' needs an epsilon-prediction model, not {adapter.family}")
+            return self.config.sde_kernel.name, self.config.sde_kernel.settings
+        return solver if solver == "dpm2m" else "ode", {}
+
+    def _time(self, adapter, schedule, steps: Tensor) -> Tensor:
+        """What the adapter takes as time: sigma (flow matching) or the integer timestep (DDIM)."""
+        return schedule.timesteps[steps] if adapter.prediction == "epsilon" else schedule.sigmas[steps]
+
+    def _forward(self, adapter, x: Tensor, steps: Tensor, schedule, embeds, prompt: Tensor, cfg_mode: str,
+                 grad: bool) -> Tensor:
+        rows = x.shape[0] * (1 if cfg_mode == "none" else 2)
+        if grad:
+            self.counters.nfe_grad += rows
+        else:
+            self.counters.nfe_nograd += rows
+        t = self._time(adapter, schedule, steps).to(x.device)
+        return adapter.model_output(x, t, embeds.index(prompt), self.config.guidance_scale, cfg_mode)
+
+    # --- rollout ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def run(self, adapter, prompts: list[str], plan: RolloutPlan, group_size: int,
+            generator: Optional[torch.Generator] = None) -> RolloutTree:
+        """Sample `group_size` final states per prompt by `plan`; returns every node and edge."""
+        cfg = self.config
+        if plan.num_steps != cfg.num_steps:
+            raise ValueError(f"plan has {plan.num_steps} steps but the sampler is set to num_steps={cfg.num_steps}")
+        leaves = plan.leaves_per_root
+        if group_size % leaves:
+            raise ValueError(f"plan '{plan.name}' gives {leaves} final states per root; group_size {group_size} "
+                             f"must be a multiple of it")
+        roots = group_size // leaves
+        if plan.shared_prefix and cfg.share_noise and roots > 1:
+            first = plan.first_stochastic_step
+            if first is not None and plan.steps[first].sde:  # a shared prefix is a tree split at the first SDE step
+                steps = list(plan.steps)
+                steps[first] = replace(steps[first], branch=steps[first].branch * roots)
+                plan, roots = replace(plan, steps=tuple(steps)), 1
+        before = self.counters.as_dict()
+        schedule = self.schedule(adapter)
+        embeds = adapter.encode_prompts(prompts)
+        device = next(adapter.denoiser.parameters()).device
+        shape = adapter.latent_shape(cfg.height, cfg.width)
+        P = len(prompts)
+        draw = lambda n: torch.randn((n, *shape), generator=generator).to(device)  # noqa: E731
+        x = draw(P).repeat_interleave(roots, 0) if cfg.share_noise else draw(P * roots)
+        frontier_prompt = torch.arange(P).repeat_interleave(roots)
+        nodes = _Nodes()
+        frontier = nodes.add(torch.full((x.shape[0],), -1, dtype=torch.long), 0, frontier_prompt, x,
+                             keep_mean=cfg.keep_means)
+        probe_ids, probe_latents = [], []
+        state = None
+        for i, sp in enumerate(plan.steps):
+            steps_i = torch.full((x.shape[0],), i, dtype=torch.long)
+            v = self._forward(adapter, x, steps_i, schedule, embeds, frontier_prompt, cfg.cfg_mode, grad=False)
+            if i in plan.probe_depths:
+                probe_ids.append(frontier)
+                probe_latents.append(self._probe(adapter, x, v, i, schedule, embeds, frontier_prompt, plan))
+            if sp.side_branches:
+                k = sp.side_branches
+                name, settings = self._kernel(adapter, True, "euler")
+                xs, vs = x.repeat_interleave(k, 0), v.repeat_interleave(k, 0)
+                out = step(name, xs, vs, schedule, i, generator=generator, **settings)
+                side_prompt = frontier_prompt.repeat_interleave(k)
+                side = nodes.add(frontier.repeat_interleave(k), i + 1, side_prompt, out.x_next, continues=False,
+                                 step_index=i, sde=True, trained=sp.trained, out=out, keep_mean=cfg.keep_means)
+                probe_ids.append(side)
+                probe_latents.append(self.complete(adapter, out.x_next, i + 1, schedule, embeds, side_prompt,
+                                                   plan.probe_solver))
+            name, settings = self._kernel(adapter, sp.sde, sp.solver)
+            if sp.branch > 1:
+                x, v = x.repeat_interleave(sp.branch, 0), v.repeat_interleave(sp.branch, 0)
+                frontier = frontier.repeat_interleave(sp.branch)
+                frontier_prompt = frontier_prompt.repeat_interleave(sp.branch)
+                state = None
+            if name == "dpm2m":
+                out = step(name, x, v, schedule, i, state=state)
+                state = out.state
+            else:
+                out = step(name, x, v, schedule, i, generator=generator,
+                           **({"noise_scale": sp.noise_scale} if sp.sde else {}), **settings)
+                state = None
+            x = out.x_next
+            frontier = nodes.add(frontier, i + 1, frontier_prompt, x, step_index=i, sde=sp.sde,
+                                 trained=sp.trained and sp.sde, out=out, keep_mean=cfg.keep_means)
+        tree = self._assemble(nodes, frontier, frontier_prompt, P, plan.num_steps, probe_ids, probe_latents)
+        tree.schedule = schedule
+        after = self.counters.as_dict()
+        tree.counters = {k: after[k] - before[k] for k in after}
+        return tree
+
+    def complete(self, adapter, x: Tensor, start: int, schedule, embeds, prompt: Tensor, solver: str = "euler") -> Tensor:
+        """Deterministic completion from step `start` to x0, batched over every row."""
+        state = None
+        for i in range(start, schedule.num_steps):
+            v = self._forward(adapter, x, torch.full((x.shape[0],), i, dtype=torch.long), schedule, embeds,
+                              prompt, self.config.cfg_mode, grad=False)
+            name, settings = self._kernel(adapter, False, solver)
+            out = step(name, x, v, schedule, i, state=state, **settings) if name == "dpm2m" else \
+                step(name, x, v, schedule, i, **settings)
+            x, state = out.x_next, out.state
+        return x
+
+    def _probe(self, adapter, x, v, i, schedule, embeds, prompt, plan: RolloutPlan) -> Tensor:
+        if plan.one_step_probes:  # VGPO: one Euler jump, from the model output already computed
+            name, settings = self._kernel(adapter, False, "euler")
+            return step(name, x, v, schedule, i, **settings).x0_hat.to(x.dtype)
+        return self.complete(adapter, x, i, schedule, embeds, prompt, plan.probe_solver)
+
+    @staticmethod
+    def _assemble(nodes: _Nodes, frontier: Tensor, frontier_prompt: Tensor, P: int, T: int,
+                  probe_ids: list, probe_latents: list) -> RolloutTree:
+        cat = torch.cat
+        order = torch.argsort(frontier_prompt, stable=True)
+        leaves = frontier[order].view(P, -1)
+        return RolloutTree(
+            parent=cat(nodes.parent), depth=cat(nodes.depth), prompt=cat(nodes.prompt),
+            continues=cat(nodes.continues), states=cat(nodes.states), edge_step=cat(nodes.step),
+            edge_sde=cat(nodes.sde), edge_trained=cat(nodes.trained), edge_logp=cat(nodes.logp),
+            edge_std=cat(nodes.std), edge_mean=cat(nodes.mean) if nodes.mean else None, leaves=leaves,
+            probe_nodes=cat(probe_ids) if probe_ids else torch.empty(0, dtype=torch.long),
+            probe_latents=cat(probe_latents) if probe_latents else None, num_steps=T,
+        )
+
+    # --- training-time re-scoring ----------------------------------------------------------------
+
+    def rescore(self, adapter, tree: RolloutTree, edges: Tensor, prompts: list[str],
+                cfg_mode: Optional[str] = None) -> StepOutput:
+        """Log-prob and mean of the stored transitions `edges` under the adapter's current weights.
+
+        Runs with grad (call it inside torch.no_grad() for the reference or old policy). Edges of
+        different steps are re-scored in one batch.
+        """
+        if not bool(tree.edge_sde[edges].all()):
+            raise ValueError("only stochastic edges have a log-prob; select edges with tree.edge_sde")
+        steps = tree.edge_step[edges]
+        x = tree.states[tree.parent[edges]]
+        x_next = tree.states[edges]
+        embeds = adapter.encode_prompts(prompts)
+        mode = cfg_mode or self.config.train_cfg_mode
+        if self.config.cfg_mode == "none":
+            mode = "none"
+        v = self._forward(adapter, x, steps, tree.schedule, embeds, tree.prompt[edges], mode,
+                          grad=torch.is_grad_enabled())
+        name, settings = self._kernel(adapter, True, "euler")
+        return rescore(name, x, x_next, v, tree.schedule, steps.to(x.device), **settings)
