@@ -1,0 +1,199 @@
+"""Client scorer for any HTTP reward server speaking reward_models.wire (JSON + PNG, no pickle).
+
+Failure handling, learnt from the anchors' servers (which retried up to 1000 times, stalling
+training for hours, and turned failures into silent zeros):
+- every attempt has a timeout (timeout_s bounds the connect and each socket read, as urllib
+  does); attempts are bounded (max_attempts), and deadline_s bounds the total time of one request
+  including retries (without it: about max_attempts x timeout_s plus the backoffs);
+- only transport errors and HTTP 429/502/503/504 are retried, with capped exponential backoff
+  and jitter; other statuses are the server's final answer;
+- a server that stays down raises RemoteRewardError naming the URL, the attempts and the time;
+- a bad answer (non-JSON, wrong lengths, HTTP 500, ...) raises, or with on_bad_response="nan"
+  gives NaN rows and counts counters["bad_responses"];
+- a health check (GET /health) runs before the first request and tells the client which prompts
+  and metadata the server's scorer needs.
+Standard library only (urllib).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Sequence
+
+import torch
+
+from .base import Scorer
+from .registry import register
+from .wire import WireError, decode_scores, encode_request
+
+RETRY_STATUSES = (429, 502, 503, 504)
+BAD_RESPONSE_POLICIES = ("raise", "nan")
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+class RemoteRewardError(RuntimeError):
+    """The reward server could not be reached, or gave an answer that cannot be used."""
+
+
+class _FinalAnswer(Exception):
+    """A non-retryable HTTP status: the server answered, and the answer is an error."""
+
+
+class RemoteScorer(Scorer):
+    name = "remote"
+
+    def __init__(self, url: str, *, timeout_s: float = 120.0, max_attempts: int = 4, backoff_s: float = 0.5,
+                 max_backoff_s: float = 10.0, deadline_s: float | None = None,
+                 retry_statuses: Sequence[int] = RETRY_STATUSES, on_bad_response: str = "raise",
+                 health_check: bool = True, batch_size: int = 16, key: str | None = None, seed: int | None = None):
+        super().__init__(batch_size=batch_size, key=key)
+        parsed = urllib.parse.urlparse(url)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ValueError(f"reward server url must be http(s)://host[:port], got {url!r}")
+        if on_bad_response not in BAD_RESPONSE_POLICIES:
+            raise ValueError(f"on_bad_response must be one of {BAD_RESPONSE_POLICIES}, got {on_bad_response!r}")
+        if int(max_attempts) < 1 or not timeout_s > 0:
+            raise ValueError("max_attempts must be >= 1 and timeout_s > 0")
+        self.url = url.rstrip("/")
+        self.timeout_s, self.max_attempts = float(timeout_s), int(max_attempts)
+        self.backoff_s, self.max_backoff_s = float(backoff_s), float(max_backoff_s)
+        self.deadline_s = None if deadline_s is None else float(deadline_s)
+        self.retry_statuses = frozenset(int(s) for s in retry_statuses)
+        self.on_bad_response = on_bad_response
+        self.health_check = health_check
+        self.server_info: dict | None = None
+        self._server_key: str | None = None
+        self._rng = random.Random(seed)
+        self._send_prompts = True
+        # Loopback never goes through an environment proxy; other hosts follow the environment.
+        handlers = [urllib.request.ProxyHandler({})] if parsed.hostname in _LOOPBACK else []
+        self._opener = urllib.request.build_opener(*handlers)
+
+    @property
+    def key(self) -> str:
+        return self._key or self._server_key or self.name
+
+    # -- transport -------------------------------------------------------------------------------
+
+    def backoff(self, attempt: int) -> float:
+        """Wait before attempt+1: capped exponential, times a jitter in [0.5, 1) so clients that
+        failed together do not retry together."""
+        return min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1)) * self._rng.uniform(0.5, 1.0)
+
+    def _send(self, method: str, path: str, body: bytes | None = None) -> bytes:
+        url = self.url + path
+        start = time.monotonic()
+        deadline = start + self.deadline_s if self.deadline_s is not None else float("inf")
+        last, attempts = "no attempt made (deadline_s too small)", 0
+        self.counters["requests"] += 1
+        while attempts < self.max_attempts:
+            timeout = min(self.timeout_s, deadline - time.monotonic())
+            if timeout <= 0:
+                break
+            attempts += 1
+            self.counters["attempts"] += 1
+            request = urllib.request.Request(url, data=body, method=method,
+                                             headers={"Content-Type": "application/json"} if body else {})
+            try:
+                with self._opener.open(request, timeout=timeout) as response:
+                    return response.read()
+            except urllib.error.HTTPError as e:
+                detail = _error_detail(e)
+                if e.code not in self.retry_statuses:
+                    raise _FinalAnswer(f"HTTP {e.code}: {detail}") from None
+                last = f"HTTP {e.code}: {detail}"
+            except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+                reason = getattr(e, "reason", e)
+                last = f"{type(reason).__name__}: {reason}"
+            if attempts < self.max_attempts:
+                wait = min(self.backoff(attempts), deadline - time.monotonic())
+                if wait <= 0:
+                    break
+                self.counters["retries"] += 1
+                time.sleep(wait)
+        self.counters["unreachable"] += 1
+        raise RemoteRewardError(
+            f"reward server {url} failed: {attempts} attempt(s) in {time.monotonic() - start:.1f}s "
+            f"(timeout {self.timeout_s:g}s each); last error: {last}")
+
+    # -- protocol --------------------------------------------------------------------------------
+
+    def health(self) -> dict:
+        """GET /health; raises RemoteRewardError unless the server says it is ok."""
+        try:
+            info = json.loads(self._send("GET", "/health"))
+        except _FinalAnswer as e:
+            raise RemoteRewardError(f"reward server {self.url}/health: {e}") from None
+        except ValueError as e:
+            raise RemoteRewardError(f"reward server {self.url}/health answered non-JSON: {e}") from None
+        if not isinstance(info, dict) or info.get("status") != "ok":
+            raise RemoteRewardError(f"reward server {self.url}/health is not ok: {str(info)[:200]}")
+        self.server_info = info
+        self._server_key = info.get("key") if isinstance(info.get("key"), str) else None
+        self.requires_prompts = bool(info.get("requires_prompts", False))
+        self.metadata_keys = tuple(info.get("metadata_keys") or ())
+        return info
+
+    def __call__(self, images, prompts=None, metadata=None):
+        if self.health_check and self.server_info is None:
+            self.health()
+        # No prompts travel as null, not as empty strings, so a server that needs them says so.
+        self._send_prompts = prompts is not None
+        return super().__call__(images, prompts, metadata)
+
+    def score_batch(self, images, prompts, metadata):
+        n = len(prompts)
+        request = encode_request(images, prompts if self._send_prompts else None, metadata)
+        body = json.dumps(request, allow_nan=False).encode()
+        try:
+            server_key, scores = decode_scores(json.loads(self._send("POST", "/score", body)), n)
+            return self._rename(server_key, scores)
+        except (_FinalAnswer, WireError, ValueError) as e:  # json errors are ValueErrors
+            self.counters["bad_responses"] += 1
+            message = f"reward server {self.url}/score gave an unusable answer: {e}"
+            if self.on_bad_response == "raise":
+                raise RemoteRewardError(message) from None
+            return {self.key: torch.full((n,), float("nan"))}
+
+    def _rename(self, server_key: str, scores: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Server keys -> this client's key (main score '<key>', extras '<key>/<what>')."""
+        self._server_key = self._server_key or server_key
+        out = {}
+        for name, value in scores.items():
+            if name == server_key:
+                out[self.key] = value
+            elif name.startswith(server_key + "/"):
+                out[self.key + name[len(server_key):]] = value
+            else:
+                raise WireError(f"score '{name}' is not named after the main key '{server_key}'")
+        return out
+
+
+def _error_detail(e: urllib.error.HTTPError) -> str:
+    try:
+        text = e.read(500).decode("utf-8", "replace")
+    except Exception:  # the body is only for the message
+        text = ""
+    try:
+        return str(json.loads(text).get("error", text))
+    except (ValueError, AttributeError):
+        return text or str(e.reason)
+
+
+@register("remote")
+def build_remote(*, url: str, timeout_s: float = 120.0, max_attempts: int = 4, backoff_s: float = 0.5,
+                 max_backoff_s: float = 10.0, deadline_s: float | None = None,
+                 retry_statuses: Sequence[int] = RETRY_STATUSES, on_bad_response: str = "raise",
+                 health_check: bool = True, batch_size: int = 16, key: str | None = None,
+                 seed: int | None = None) -> RemoteScorer:
+    """Any HTTP reward server speaking reward_models.wire (see scripts/reward_server.py)."""
+    return RemoteScorer(url, timeout_s=timeout_s, max_attempts=max_attempts, backoff_s=backoff_s,
+                        max_backoff_s=max_backoff_s, deadline_s=deadline_s, retry_statuses=retry_statuses,
+                        on_bad_response=on_bad_response, health_check=health_check, batch_size=batch_size,
+                        key=key, seed=seed)

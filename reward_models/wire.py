@@ -1,0 +1,131 @@
+"""The reward-server wire format: JSON only, images as base64 PNG. No pickle.
+
+POST /score request:  {"images": [<base64 PNG>, ...], "prompts": [str, ...] | null,
+                       "metadata": {name: [value per image, ...]}}
+            response: {"key": <main key>, "scores": {name: [float | null, ...]}}   (null = NaN)
+GET /health response: {"status": "ok", "scorer": <name>, "key": <main key>,
+                       "requires_prompts": bool, "metadata_keys": [...]}
+
+Metadata values are JSON values; images inside them (PIL, [3,H,W] or [K,3,H,W] tensors) travel as
+{"__png__": <base64 PNG>}. PNG is lossless for the uint8 images every scorer sees, unlike the JPEG
+q75 of the anchors' servers, which changes what OCR and quality scorers score.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import math
+from typing import Any
+
+import torch
+from PIL import Image
+
+from .images import ImageBatch
+
+PNG_KEY = "__png__"
+
+
+class WireError(ValueError):
+    """A request or response that does not follow the wire format."""
+
+
+def encode_png(image: Image.Image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG", compress_level=1)  # lossless either way; level 1 is fast
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def decode_png(data: Any) -> Image.Image:
+    if not isinstance(data, str):
+        raise WireError(f"an image must be a base64 PNG string, got {type(data).__name__}")
+    try:
+        raw = base64.b64decode(data, validate=True)
+        image = Image.open(io.BytesIO(raw))
+        if image.format != "PNG":
+            raise WireError(f"images must be PNG, got {image.format}")
+        image.load()
+    except (binascii.Error, OSError, Image.DecompressionBombError) as e:
+        raise WireError(f"undecodable image: {e}") from None
+    return image.convert("RGB")
+
+
+def encode_value(value: Any) -> Any:
+    """A metadata value -> JSON, with images as {"__png__": ...}."""
+    if isinstance(value, Image.Image):
+        return {PNG_KEY: encode_png(value.convert("RGB"))}
+    if isinstance(value, torch.Tensor):
+        if value.ndim == 3 and value.shape[0] == 3 and value.is_floating_point():
+            return {PNG_KEY: encode_png(ImageBatch(value[None]).pil()[0])}
+        if value.ndim == 4 and value.shape[1] == 3 and value.is_floating_point():
+            return [{PNG_KEY: encode_png(im)} for im in ImageBatch(value).pil()]
+        return value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [encode_value(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): encode_value(v) for k, v in value.items()}
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    raise WireError(f"metadata value of type {type(value).__name__} cannot go over the wire")
+
+
+def decode_value(value: Any) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {PNG_KEY}:
+            return decode_png(value[PNG_KEY])
+        return {k: decode_value(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [decode_value(v) for v in value]
+    return value
+
+
+def encode_request(images: ImageBatch, prompts: list[str] | None, metadata: dict[str, list] | None) -> dict:
+    return {
+        "images": [encode_png(im) for im in images.pil()],
+        "prompts": None if prompts is None else list(prompts),
+        "metadata": {k: [encode_value(v) for v in vs] for k, vs in (metadata or {}).items()},
+    }
+
+
+def decode_request(payload: Any) -> tuple[list[Image.Image], list[str] | None, dict[str, list]]:
+    if not isinstance(payload, dict) or not isinstance(payload.get("images"), list):
+        raise WireError("request must be a JSON object with an 'images' list")
+    images = [decode_png(s) for s in payload["images"]]
+    n = len(images)
+    prompts = payload.get("prompts")
+    if prompts is not None and (not isinstance(prompts, list) or len(prompts) != n
+                                or not all(isinstance(p, str) for p in prompts)):
+        raise WireError(f"'prompts' must be null or a list of {n} strings")
+    metadata = payload.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise WireError("'metadata' must be an object of lists")
+    for k, v in metadata.items():
+        if not isinstance(v, list) or len(v) != n:
+            raise WireError(f"metadata '{k}' must be a list of {n} values")
+    return images, prompts, {k: decode_value(v) for k, v in metadata.items()}
+
+
+def encode_scores(scores: dict[str, torch.Tensor], key: str) -> dict:
+    def number(x: float):
+        return x if math.isfinite(x) else None  # JSON has no NaN; null means "could not score"
+
+    return {"key": key, "scores": {k: [number(float(x)) for x in v.detach().cpu().tolist()] for k, v in scores.items()}}
+
+
+def decode_scores(payload: Any, n: int) -> tuple[str, dict[str, torch.Tensor]]:
+    """Validate a /score response for n images; null -> NaN."""
+    if not isinstance(payload, dict) or not isinstance(payload.get("scores"), dict) or not payload["scores"]:
+        raise WireError("response must be a JSON object with a non-empty 'scores' object")
+    key = payload.get("key")
+    if not isinstance(key, str) or key not in payload["scores"]:
+        raise WireError(f"response 'key' {key!r} is not one of its scores {sorted(payload['scores'])}")
+    out = {}
+    for name, values in payload["scores"].items():
+        if not isinstance(values, list) or len(values) != n:
+            got = len(values) if isinstance(values, list) else type(values).__name__
+            raise WireError(f"score '{name}' must be a list of {n} numbers, got {got}")
+        if not all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in values):
+            raise WireError(f"score '{name}' holds values that are neither numbers nor null")
+        out[name] = torch.tensor([float("nan") if v is None else float(v) for v in values], dtype=torch.float32)
+    return key, out
