@@ -249,6 +249,8 @@ def turning_point(batch: GroupBatch, *, eta: float = 1.0, balance: bool = True, 
     Turning points are found by sign changes only; `balance` keeps equally many positive and negative
     ones (largest |candidate| first), where the candidate is the global trend ("trend") or the bonus.
     """
+    if balance_by not in ("trend", "bonus"):
+        raise ValueError(f"balance_by: expected 'trend' or 'bonus', got {balance_by!r}")
     R, ok_nodes = _step_inputs(batch)
     if R.shape[-1] < 2:
         raise ValueError("step_rewards: turning_point needs T + 1 >= 2 probe rewards per chain")
@@ -321,6 +323,11 @@ def tree_depth(batch: GroupBatch, *, fusion: str = "mean", alpha: float = 1.0, e
     dev = tree.parent.device
     leaf_r = batch.scalar_rewards()
     leaf_ok = batch.usable(leaf_r)
+    # Work relative to each tree's best leaf: the z-scores are shift-invariant and both fusions
+    # shift-equivariant, and a tree whose leaves tie then holds exact zeros (a float32 mean of three
+    # 22.3s is not 22.3, and the per-depth z-score blows that ulp up to +-1).
+    shift = torch.where(leaf_ok, leaf_r, torch.full_like(leaf_r, -math.inf)).amax(dim=1, keepdim=True)
+    leaf_r = leaf_r - torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
     flat = lambda idx: (idx + torch.arange(P, device=idx.device).unsqueeze(1) * N).reshape(-1)  # noqa: E731
     value = torch.zeros(P * N, device=dev)
     count = torch.zeros(P * N, device=dev)

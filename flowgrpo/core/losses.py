@@ -34,7 +34,8 @@ class LossInputs:
                       transition log-prob, mean over latent dims).
     advantages:       [N] (broadcast over actions) or [N, T].
     mask:             bool, which actions count.
-    sample_weight:    [N] or [N, T] multipliers (0 drops; MC-GRPO pivot, filtered groups).
+    sample_weight:    [N] or [N, T] multipliers; 0 removes the action from the mask (MC-GRPO pivot,
+                      filtered groups), so it adds no policy, KL or entropy term and is not counted.
     logp_ref:         reference-policy log-prob (KL k1/k2/k3/k3+).
     entropy:          per-action entropy (entropy bonus).
     mean_sqdist_old:  mean over latent dims of (mean_new - mean_old)^2 (GRPO-Guard RatioNorm).
@@ -72,6 +73,8 @@ class LossInputs:
             if self.sample_weight.shape not in (shape, (shape[0], 1)):
                 raise ValueError(f"sample_weight: expected shape [{shape[0]}] or {list(shape)}, "
                                  f"got {list(self.sample_weight.shape)}")
+            # weight 0 drops the action entirely: no policy term, no KL, and it is not counted by the normaliser
+            self.mask = self.mask & (self.sample_weight != 0).expand(shape)
         for name in ("logp_old", "logp_ref", "entropy", "mean_sqdist_old", "mean_sqdist_ref", "std", "dt"):
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != shape:

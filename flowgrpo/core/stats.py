@@ -11,10 +11,17 @@ def masked_count(mask: Tensor, dim: int) -> Tensor:
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim: int) -> Tensor:
-    """Mean over `dim` (kept); 0 where nothing is valid."""
+    """Mean over `dim` (kept); 0 where nothing is valid.
+
+    Summed relative to one valid entry (the largest), so the mean of a constant group is that constant
+    exactly: a plain float32 sum / n is off by an ulp, which `(x - mean) / (std + eps)` turns into a
+    spurious advantage (0.02 for a constant group of PickScore-sized rewards).
+    """
     n = masked_count(mask, dim)
-    total = torch.where(mask, x, torch.zeros_like(x)).sum(dim=dim, keepdim=True)
-    return total / n.clamp_min(1)
+    shift = torch.where(mask, x, torch.full_like(x, -torch.inf)).amax(dim=dim, keepdim=True)
+    shift = torch.where(n > 0, shift, torch.zeros_like(shift))
+    total = torch.where(mask, x - shift, torch.zeros_like(x)).sum(dim=dim, keepdim=True)
+    return shift + total / n.clamp_min(1)
 
 
 def masked_std(x: Tensor, mask: Tensor, dim: int, unbiased: bool) -> Tensor:

@@ -10,11 +10,6 @@ from .registry import Registry
 TRANSFORMS = Registry("advantage transform")
 
 
-def _group_axes(adv: torch.Tensor) -> tuple[int, ...]:
-    """Every axis but the group axis (0)."""
-    return tuple(range(1, adv.dim()))
-
-
 @TRANSFORMS.register("clip")
 def clip(result: AdvantageResult, batch: GroupBatch, *, max: float = 5.0) -> AdvantageResult:
     """Clamp advantages to [-max, max] (flow default 5)."""
