@@ -18,6 +18,29 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train_text(args: argparse.Namespace) -> int:
+    import logging
+    import math
+
+    from .text import DataError, RewardError, load_text_config, train_text
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    config = load_text_config(args.config, args.overrides)
+    try:
+        history = train_text(config)
+    except (DataError, RewardError) as err:
+        print(f"flowgrpo: {err}", file=sys.stderr)
+        return 2
+    if history:
+        first = history[0].get("reward_mean", math.nan)
+        last = history[-1].get("reward_mean", math.nan)
+        print(f"reward {first:.3f} -> {last:.3f} over steps {history[0]['step']}..{history[-1]['step']}; "
+              f"metrics in {config.output_dir}/metrics.jsonl")
+    else:
+        print(f"nothing to do: the run is already at step {config.steps}")
+    return 0
+
+
 def _cmd_list(args: argparse.Namespace) -> int:
     from . import core
 
@@ -44,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--config", default=None, help="YAML file (default: the embedded demo config)")
     demo.add_argument("overrides", nargs="*", help="key=value overrides, e.g. loss.preset=gspo lr=0")
     demo.set_defaults(func=_cmd_demo)
+    text = sub.add_parser("train-text", help="GRPO-family training of a causal LM (see configs/text/)")
+    text.add_argument("config", help="YAML config, e.g. configs/text/tiny_pattern.yaml")
+    text.add_argument("overrides", nargs="*", help="key=value overrides, e.g. loss.preset=gspo optim.lr=0")
+    text.set_defaults(func=_cmd_train_text)
     lister = sub.add_parser("list", help="every registered estimator, transform and loss part")
     lister.set_defaults(func=_cmd_list)
     return parser

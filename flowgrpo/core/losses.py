@@ -111,7 +111,7 @@ class LossNormalizer:
         return cls(
             num_tokens=float(m.sum()),
             num_seqs=float(m.any(1).sum()),
-            const_len=const_len,
+            const_len=const_len if const_len is not None else float(m.shape[1]),  # the full batch's padded length
             pos_tokens=float(pos.sum()), neg_tokens=float(neg.sum()),
             pos_seqs=float(pos.any(1).sum()), neg_seqs=float(neg.any(1).sum()),
             std_sum=float(inputs.std[m].sum()) if inputs.std is not None else 0.0,

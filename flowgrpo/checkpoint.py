@@ -1,0 +1,348 @@
+"""Atomic checkpoints and exact resume, with no pickle: tensors in safetensors, everything else in JSON.
+
+A checkpoint is a folder `step_00000012/` under a root folder:
+
+    tensors.<group>.safetensors   named tensor groups (model or LoRA weights, EMA, ...)
+    optim.<name>.safetensors      optimizer state tensors, keyed "<param index>.<key>"
+    optim.<name>.json             optimizer param groups and non-tensor state
+    rng.safetensors               torch CPU (and CUDA) generator states, numpy's key array
+    state.json                    step, the caller's JSON state (data position, ...), LR scheduler
+                                  states, python and numpy RNG scalars, format version
+    config.json                   the resolved run config (optional)
+
+Saving writes everything into a hidden temporary folder next to the target, fsyncs every file and
+the folder, then renames it into place: a crash mid-save leaves the previous checkpoints intact and
+no half-written `step_*` folder. Only the last `keep_last` checkpoints are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+FORMAT_VERSION = 1
+_PREFIX = "step_"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be read or does not match what it is loaded into."""
+
+
+# --- JSON with tuples ----------------------------------------------------------------------------
+
+
+def _to_json(value: Any) -> Any:
+    """JSON-able copy that keeps tuples apart from lists (optimizer betas, RNG states)."""
+    if isinstance(value, tuple):
+        return {"__tuple__": [_to_json(v) for v in value]}
+    if isinstance(value, list):
+        return [_to_json(v) for v in value]
+    if isinstance(value, dict):
+        bad = [k for k in value if not isinstance(k, str)]
+        if bad:
+            return {"__intkeys__": [[k, _to_json(v)] for k, v in value.items()]}
+        return {k: _to_json(v) for k, v in value.items()}
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, (np.floating,)):
+        return float(value)
+    if isinstance(value, torch.Tensor):
+        raise CheckpointError("a tensor reached the JSON part of a checkpoint; tensors go to safetensors")
+    return value
+
+
+def _from_json(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_from_json(v) for v in value]
+    if isinstance(value, dict):
+        if set(value) == {"__tuple__"}:
+            return tuple(_from_json(v) for v in value["__tuple__"])
+        if set(value) == {"__intkeys__"}:
+            return {k: _from_json(v) for k, v in value["__intkeys__"]}
+        return {k: _from_json(v) for k, v in value.items()}
+    return value
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(_to_json(obj), f, indent=1, allow_nan=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_json(path: Path) -> Any:
+    with open(path) as f:
+        return _from_json(json.load(f))
+
+
+# --- tensors ------------------------------------------------------------------------------------
+
+
+def _save_tensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
+    """safetensors refuses shared storage (tied weights): store each storage once, note the aliases."""
+    seen: dict[tuple, str] = {}
+    unique: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise CheckpointError(f"{path.name}: '{name}' is a {type(t).__name__}, not a tensor")
+        t = t.detach()
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
+               t.device.type) if t.numel() else None
+        if key is not None and key in seen:
+            aliases[name] = seen[key]
+            continue
+        if key is not None:
+            seen[key] = name
+        unique[name] = t.to("cpu").contiguous().clone()
+    save_file(unique, str(path), metadata={"aliases": json.dumps(aliases)})
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    tensors = load_file(str(path))
+    for name, target in json.loads(meta.get("aliases", "{}")).items():
+        tensors[name] = tensors[target]
+    return tensors
+
+
+# --- optimizer ----------------------------------------------------------------------------------
+
+
+def _optimizer_parts(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    sd = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for idx, slots in sd["state"].items():
+        for key, value in slots.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{idx}.{key}"] = value
+            else:
+                scalars.setdefault(str(idx), {})[key] = value
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars,
+                     "tensor_keys": sorted(tensors)}
+
+
+def _optimizer_state(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
+    state: dict[int, dict[str, Any]] = {}
+    for name in meta["tensor_keys"]:
+        idx, key = name.split(".", 1)
+        state.setdefault(int(idx), {})[key] = tensors[name]
+    for idx, slots in meta["scalars"].items():
+        state.setdefault(int(idx), {}).update(slots)
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+# --- RNG ----------------------------------------------------------------------------------------
+
+
+def rng_state() -> tuple[dict[str, torch.Tensor], dict]:
+    """Every global RNG the training loop may touch: torch (CPU, CUDA), python `random`, numpy."""
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"torch_cuda_{i}"] = s
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    tensors["numpy_keys"] = torch.from_numpy(np.asarray(keys, dtype=np.uint32).astype(np.int64))
+    scalars = {"python": random.getstate(), "numpy": [kind, int(pos), int(has_gauss), float(cached)]}
+    return tensors, scalars
+
+
+def set_rng_state(tensors: Mapping[str, torch.Tensor], scalars: Mapping[str, Any]) -> None:
+    torch.set_rng_state(tensors["torch_cpu"])
+    cuda = sorted(k for k in tensors if k.startswith("torch_cuda_"))
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([tensors[k] for k in cuda])
+    version, internal, gauss = scalars["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, pos, has_gauss, cached = scalars["numpy"]
+    np.random.set_state((kind, tensors["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, cached))
+
+
+# --- the checkpoint -----------------------------------------------------------------------------
+
+
+def checkpoint_name(step: int) -> str:
+    return f"{_PREFIX}{step:08d}"
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest first (temporary folders are not listed)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        if p.is_dir() and p.name.startswith(_PREFIX) and p.name[len(_PREFIX):].isdigit() and (p / "state.json").is_file():
+            found.append((int(p.name[len(_PREFIX):]), p))
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(root: str | Path) -> Optional[Path]:
+    """The newest complete checkpoint under `root`, or None."""
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(str(path), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(root: str | Path, step: int, *,
+                    tensors: Optional[Mapping[str, Mapping[str, torch.Tensor]]] = None,
+                    optimizers: Optional[Mapping[str, torch.optim.Optimizer]] = None,
+                    schedulers: Optional[Mapping[str, Any]] = None,
+                    state: Optional[Mapping[str, Any]] = None,
+                    config: Optional[Mapping[str, Any]] = None,
+                    keep_last: Optional[int] = None) -> Path:
+    """Write checkpoint `step` under `root` atomically and return its folder.
+
+    tensors:    {group: {name: tensor}}, e.g. {"model": trainable weights}.
+    optimizers: {name: torch optimizer} (tensor state to safetensors, the rest to JSON).
+    schedulers: {name: object whose state_dict() is JSON-able}: LR schedulers, a GradScaler, ...
+    state:      JSON-able caller state (data position, counters, ...).
+    keep_last:  remove all but the newest `keep_last` checkpoints after a successful save.
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    target = root / checkpoint_name(step)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=root))
+    try:
+        os.chmod(tmp, 0o777 & ~_umask())
+        for group, named in (tensors or {}).items():
+            _save_tensors(named, tmp / f"tensors.{group}.safetensors")
+        for name, opt in (optimizers or {}).items():
+            opt_tensors, meta = _optimizer_parts(opt)
+            _save_tensors(opt_tensors, tmp / f"optim.{name}.safetensors")
+            _write_json(tmp / f"optim.{name}.json", meta)
+        rng_tensors, rng_scalars = rng_state()
+        _save_tensors(rng_tensors, tmp / "rng.safetensors")
+        if config is not None:
+            _write_json(tmp / "config.json", dict(config))
+        _write_json(tmp / "state.json", {  # written last: a folder without it is never a checkpoint
+            "format_version": FORMAT_VERSION,
+            "step": int(step),
+            "state": dict(state or {}),
+            "schedulers": {name: s.state_dict() for name, s in (schedulers or {}).items()},
+            "rng": rng_scalars,
+        })
+        for f in tmp.iterdir():
+            os.chmod(f, 0o666 & ~_umask())
+        _fsync_dir(tmp)
+        if target.exists():  # re-saving a step (e.g. after a resume): move the old one aside first
+            old = root / f".old-{target.name}-{os.getpid()}"
+            os.rename(target, old)
+            os.rename(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, target)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _cleanup(root, keep_last)
+    return target
+
+
+def _cleanup(root: Path, keep_last: Optional[int]) -> None:
+    for p in root.iterdir():  # leftovers of crashed saves
+        if p.is_dir() and (p.name.startswith(".tmp-") or p.name.startswith(".old-")):
+            shutil.rmtree(p, ignore_errors=True)
+    if keep_last is not None and keep_last > 0:
+        for p in list_checkpoints(root)[:-keep_last]:
+            doomed = root / f".old-{p.name}-{os.getpid()}"
+            os.rename(p, doomed)  # out of the listing at once, even if the removal below is interrupted
+            shutil.rmtree(doomed, ignore_errors=True)
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    step: int
+    tensors: dict[str, dict[str, torch.Tensor]]
+    state: dict[str, Any]
+    config: Optional[dict[str, Any]] = None
+    _raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+
+def load_checkpoint(path: str | Path, *,
+                    optimizers: Optional[Mapping[str, torch.optim.Optimizer]] = None,
+                    schedulers: Optional[Mapping[str, Any]] = None,
+                    restore_rng: bool = True) -> Checkpoint:
+    """Read a checkpoint folder; load optimizer and scheduler states in place; restore the global RNGs.
+
+    Tensor groups are returned on CPU; the caller loads them into its modules (see `load_into`).
+    """
+    path = Path(path)
+    if not (path / "state.json").is_file():
+        raise CheckpointError(f"{path}: not a complete checkpoint (no state.json)")
+    raw = _read_json(path / "state.json")
+    if raw.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format version {raw.get('format_version')}, expected {FORMAT_VERSION}")
+    tensors = {}
+    for f in sorted(path.glob("tensors.*.safetensors")):
+        tensors[f.name[len("tensors."):-len(".safetensors")]] = _load_tensors(f)
+    for name, opt in (optimizers or {}).items():
+        meta_path = path / f"optim.{name}.json"
+        if not meta_path.is_file():
+            raise CheckpointError(f"{path}: no optimizer state '{name}'")
+        opt.load_state_dict(_optimizer_state(_load_tensors(path / f"optim.{name}.safetensors"),
+                                             _read_json(meta_path)))
+    for name, sched in (schedulers or {}).items():
+        if name not in raw["schedulers"]:
+            raise CheckpointError(f"{path}: no scheduler state '{name}'")
+        sched.load_state_dict(raw["schedulers"][name])
+    if restore_rng:
+        set_rng_state(_load_tensors(path / "rng.safetensors"), raw["rng"])
+    config = _read_json(path / "config.json") if (path / "config.json").is_file() else None
+    return Checkpoint(path, int(raw["step"]), tensors, raw["state"], config, raw)
+
+
+def load_into(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor], *, strict_keys: bool = True) -> None:
+    """Copy saved tensors into a module's parameters/buffers by name (a subset of the module is fine).
+
+    strict_keys: every saved name must exist in the module.
+    """
+    own = dict(module.named_parameters())
+    own.update(dict(module.named_buffers()))
+    missing = [k for k in tensors if k not in own]
+    if missing and strict_keys:
+        raise CheckpointError(f"checkpoint tensors not in the model: {missing[:5]}"
+                              f"{' ...' if len(missing) > 5 else ''}")
+    with torch.no_grad():
+        for name, value in tensors.items():
+            if name in own:
+                if own[name].shape != value.shape:
+                    raise CheckpointError(f"'{name}': checkpoint shape {list(value.shape)}, "
+                                          f"model shape {list(own[name].shape)}")
+                own[name].copy_(value)

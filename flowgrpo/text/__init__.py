@@ -1,0 +1,19 @@
+"""Text-side GRPO: causal LM policies trained with the shared `flowgrpo.core` advantages and losses.
+
+    from flowgrpo.text import load_text_config, train_text
+    history = train_text(load_text_config("configs/text/tiny_pattern.yaml", ["optim.lr=0"]))
+
+Modules, one job each: config (typed config), data (JSONL / built-in tasks, chat template, checks),
+models (tiny random Qwen2 + byte tokenizer, real models, LoRA, KL reference), generation
+(transformers generate -> Rollout), logprobs (micro-batched token log-probs), answers (math answer
+extraction and equivalence), rewards (registry, TRL-compatible user functions, scoring), optim
+(AdamW + schedule), trainer (the loop).
+"""
+
+from .config import DEFAULTS, TextConfig, load_text_config
+from .data import DataError
+from .rewards import REWARDS, RewardError
+from .trainer import OnPolicyRatioWarning, TextGRPOTrainer, train_text
+
+__all__ = ["DEFAULTS", "REWARDS", "DataError", "OnPolicyRatioWarning", "RewardError", "TextConfig",
+           "TextGRPOTrainer", "load_text_config", "train_text"]

@@ -1,0 +1,229 @@
+"""The typed config of the text GRPO trainer: embedded defaults, then a YAML file, then key=value overrides.
+
+Every section is a `StrictModel`: an unknown key is an error that lists the valid ones. The advantage
+and loss sections are the shared core's own configs (`flowgrpo.core`), so every estimator, transform,
+loss preset (named like TRL's `loss_type`) and loss part is selectable here by name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ..config import load_config
+from ..core import AdvantageConfig, LossConfig, StrictModel
+
+# Merged under every config file, key by key (a file only states what differs).
+DEFAULTS: dict[str, Any] = {
+    "advantage": {"estimator": "grpo", "head_nan_policy": "ignore_head"},
+    "loss": {"preset": "dapo"},
+}
+
+
+class TinyModelConfig(StrictModel):
+    """A random Qwen2 built in code with a byte-level tokenizer (tests, demos; no download)."""
+
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 128
+    max_position_embeddings: int = 256
+    tie_word_embeddings: bool = True
+    init_seed: int = 0  # weights depend on this seed only, not on the run's seed
+
+
+class LoraConfig(StrictModel):
+    """peft LoRA. No dropout: the policy runs in eval mode so that re-scoring a rollout gives ratio 1."""
+
+    enabled: bool = False
+    r: int = 8
+    alpha: float = 16.0
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+class ModelConfig(StrictModel):
+    """`name_or_path: tiny` builds the tiny random model; `pkg:NAME` is the folder of an installed package;
+    anything else is a local folder or a hub id (loaded with AutoModelForCausalLM / AutoTokenizer)."""
+
+    name_or_path: str = "tiny"
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
+    gguf_file: Optional[str] = None           # a GGUF file inside name_or_path (transformers de-quantises it)
+    gguf_cache_dir: Optional[str] = None      # where the de-quantised model is cached as safetensors
+    revision: Optional[str] = None
+    trust_remote_code: bool = False
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "auto"                      # auto | cpu | cuda | cuda:1 ...
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+
+
+class TaskConfig(BaseModel):
+    """A built-in generated dataset: `name` plus the generator's settings (see flowgrpo.text.data.TASKS)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    settings: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _short_form(cls, data: Any) -> Any:
+        if isinstance(data, str):
+            return {"name": data}
+        if isinstance(data, dict) and "settings" not in data:
+            return {"name": data.get("name"), "settings": {k: v for k, v in data.items() if k != "name"}}
+        return data
+
+
+class DataConfig(StrictModel):
+    """JSONL prompts (`path`) or a built-in generated task (`task`)."""
+
+    path: Optional[str] = None
+    task: Optional[TaskConfig] = None
+    prompt_field: str = "prompt"              # a string, or a list of chat messages
+    chat_template: bool = True                # apply the tokenizer's chat template when it has one
+    system_prompt: Optional[str] = None       # prepended as a system message when the template is applied
+    shuffle: bool = True                      # a new permutation each epoch (seeded)
+    max_rows: Optional[int] = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "DataConfig":
+        if (self.path is None) == (self.task is None):
+            raise ValueError("set exactly one of data.path (a JSONL file) and data.task (a built-in task)")
+        return self
+
+
+class GenerationConfig(StrictModel):
+    """transformers `generate`: batched, left padding, KV cache; G samples per prompt."""
+
+    backend: Literal["transformers"] = "transformers"
+    prompts_per_step: int = Field(2, ge=1)    # P
+    group_size: int = Field(8, ge=1)          # G
+    max_new_tokens: int = Field(32, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)               # 0 = off
+    # top_p / top_k / min_p / repetition_penalty change what is sampled but not the recomputed
+    # log-probs (those of the temperature-scaled full distribution, as in TRL)
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    batch_size: int = Field(64, ge=1)         # sequences per generate call
+    mask_truncated: bool = False              # DAPO overlong filtering: truncated completions leave the loss
+
+
+class RewardSpec(BaseModel):
+    """One reward function. `name` is a registered reward, or `module:function` / `path/file.py:function`.
+
+    YAML: `target_pattern`, `{name: math_answer, weight: 1.0}`, or with settings
+    `{name: format_regex, pattern: '\\\\boxed'}` (keys other than name/weight/columns are settings).
+    `columns` lists the dataset columns a user function needs (checked on every row at load time).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    weight: float = 1.0
+    columns: list[str] = Field(default_factory=list)
+    alias: Optional[str] = None               # the name in the metrics (default: name)
+    settings: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _short_form(cls, data: Any) -> Any:
+        if isinstance(data, str):
+            return {"name": data}
+        if isinstance(data, dict) and "settings" not in data:
+            own = {"name", "weight", "columns", "alias"}
+            return {**{k: v for k, v in data.items() if k in own},
+                    "settings": {k: v for k, v in data.items() if k not in own}}
+        return data
+
+    @property
+    def label(self) -> str:
+        return self.alias or self.name.rsplit(":", 1)[-1]
+
+
+class OptimConfig(StrictModel):
+    lr: float = Field(1e-5, ge=0)
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    max_grad_norm: Optional[float] = 1.0      # None = no clipping (the norm is still logged)
+
+
+class TrainConfig(StrictModel):
+    """How one generation batch (P x G sequences) is used."""
+
+    num_iterations: int = Field(1, ge=1)      # passes over each generation batch (TRL's mu)
+    mini_batches: int = Field(1, ge=1)        # optimizer steps per pass (each with its own global normaliser)
+    micro_batch_size: int = Field(16, ge=1)   # sequences per forward/backward (gradient accumulation)
+    logprob_batch_size: Optional[int] = None  # sequences per no-grad log-prob pass (default micro_batch_size)
+    shuffle: bool = True                      # reshuffle sequences into mini-batches at every pass
+
+
+class DynamicSamplingConfig(StrictModel):
+    """DAPO dynamic sampling: drop groups whose rewards do not vary, generate more to refill the batch."""
+
+    enabled: bool = False
+    max_extra_rounds: int = Field(3, ge=0)    # extra generation rounds per step at most
+    min_std: float = 0.0                      # a group needs a reward std above this to stay
+
+
+class RatioCheckConfig(StrictModel):
+    """The live on-policy check: the first pass over a fresh batch must give ratio 1.
+
+    It needs the no-grad old-log-prob pass. With `enabled: false`, num_iterations 1 and mini_batches 1,
+    that pass is skipped and the old log-probs are the detached current ones (as TRL does): one
+    forward pass less per step.
+    """
+
+    enabled: bool = True
+    tolerance: float = 1e-4
+
+
+class CheckpointConfig(StrictModel):
+    every: int = Field(0, ge=0)               # steps between checkpoints; 0 = only at the end
+    keep_last: int = Field(2, ge=1)
+    dir: Optional[str] = None                 # default: <output_dir>/checkpoints
+    save_final_model: bool = True             # save_pretrained() of the policy (and tokenizer) at the end
+
+
+class TextConfig(StrictModel):
+    seed: int = 0
+    output_dir: str = "outputs/text"
+    steps: int = Field(20, ge=0)
+    stop_after: Optional[int] = None          # stop at this step (as if interrupted); resume continues to `steps`
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=lambda: DataConfig(task=TaskConfig(name="pattern")))
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(name="target_pattern")])
+    stop_on_reward_error: bool = False
+    advantage: AdvantageConfig = Field(default_factory=lambda: AdvantageConfig(**DEFAULTS["advantage"]))
+    loss: LossConfig = Field(default_factory=lambda: LossConfig(**DEFAULTS["loss"]))
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
+    ratio_check: RatioCheckConfig = Field(default_factory=RatioCheckConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    resume: bool = False
+    progress: bool = True
+    num_threads: Optional[int] = None         # torch CPU threads (fix it for bit-exact comparisons)
+    deterministic: bool = False               # torch.use_deterministic_algorithms
+
+    @model_validator(mode="after")
+    def _check(self) -> "TextConfig":
+        if not self.rewards:
+            raise ValueError("rewards: at least one reward function is needed")
+        labels = [r.label for r in self.rewards]
+        dup = sorted({x for x in labels if labels.count(x) > 1})
+        if dup:
+            raise ValueError(f"rewards: duplicate names {dup}; give each an `alias`")
+        return self
+
+
+def load_text_config(path: Optional[str | Path] = None, overrides: Iterable[str] = ()) -> TextConfig:
+    """YAML file + key=value overrides over the embedded defaults."""
+    return load_config(TextConfig, path, overrides, defaults=DEFAULTS)

@@ -1,0 +1,420 @@
+"""The text GRPO loop, top to bottom.
+
+One training step:
+
+    P prompts -> generate G completions each          (transformers generate)
+              -> reward functions -> rewards [P, G, K] (NaN = not applicable / failed)
+              -> [DAPO dynamic sampling: drop zero-spread groups, generate more, bounded rounds]
+              -> flowgrpo.core.compute_advantages     (any estimator; GDPO reads the K heads)
+              -> old (and reference) token log-probs, no grad, in micro-batches
+              -> num_iterations passes x mini_batches optimizer steps, each with ONE LossNormalizer
+                 counted over its whole mini-batch, micro-batches accumulate gradients
+                 -> flowgrpo.core.policy_loss (any preset / parts) -> clip grad norm -> AdamW
+              -> LR schedule, metrics.jsonl, progress bar, checkpoint every k steps
+
+The first micro-batches of a fresh batch (before any optimizer step) are scored by the weights
+that sampled it: their ratio must be 1. The deviation is measured and logged every step, with a
+loud warning when it exceeds the tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+import warnings
+from collections import defaultdict
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional
+
+import numpy as np
+import torch
+
+from ..checkpoint import latest_checkpoint, load_checkpoint, load_into, save_checkpoint
+from ..config import ConfigError, dump_config
+from ..core import GroupBatch, LossInputs, LossNormalizer, compute_advantages, policy_loss
+from ..core.stats import masked_std
+from ..metrics import MetricsWriter
+from .config import TextConfig
+from .data import PromptSampler, load_prompts
+from .generation import Rollout, TransformersGenerator
+from .logprobs import batch_logprobs, micro_logprobs
+from .models import load_policy, reference_policy, trainable_state
+from .optim import build_optimizer
+from .rewards import RewardScores, build_rewards, score_completions
+
+log = logging.getLogger(__name__)
+
+# keys of the config that may change between a checkpoint and its resumption without a warning
+_RESUME_FREE = {"steps", "stop_after", "resume", "progress", "checkpoint", "output_dir"}
+
+
+class OnPolicyRatioWarning(UserWarning):
+    """The first pass over a fresh batch did not give ratio 1."""
+
+
+class TextGRPOTrainer:
+    """GRPO-family training of a causal LM. `reward_funcs` adds callables by name for `rewards[].name`."""
+
+    def __init__(self, config: TextConfig, reward_funcs: Optional[Mapping[str, Callable]] = None):
+        self.cfg = cfg = config
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        if cfg.deterministic:
+            torch.use_deterministic_algorithms(True)
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed % 2**32)
+        torch.manual_seed(cfg.seed)
+
+        self.out = Path(cfg.output_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.out / "checkpoints"
+
+        self.tokenizer, self.model = load_policy(cfg.model)
+        self.device = next(self.model.parameters()).device
+        self.generator = TransformersGenerator(self.model, self.tokenizer, cfg.generation)
+        try:
+            self.rewards = build_rewards(cfg.rewards, extra=reward_funcs, context={
+                "max_tokens": cfg.generation.max_new_tokens, "eos_token_ids": self.generator.eos_ids})
+        except ValueError as err:
+            raise ConfigError(f"rewards: {err}") from None
+        context = getattr(self._base_config(), "max_position_embeddings", None)
+        self.data = load_prompts(cfg.data, self.tokenizer, context_length=context,
+                                 max_new_tokens=cfg.generation.max_new_tokens,
+                                 required_columns={r.name: r.columns for r in self.rewards})
+        self.sampler = PromptSampler(len(self.data), cfg.seed, cfg.data.shuffle)
+        self.params, self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.steps)
+        self.use_kl = cfg.loss.kl.coef != 0
+        self.reference = reference_policy(self.model, self.use_kl)
+        self.step = 0
+        self._in_step = False
+        self.resumed_from: Optional[Path] = None
+        if cfg.resume:
+            self._resume()
+
+    def _base_config(self):
+        model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        return model.config
+
+    # --- checkpoints -------------------------------------------------------------------------
+
+    def save(self) -> Path:
+        return save_checkpoint(
+            self.ckpt_dir, self.step,
+            tensors={"model": trainable_state(self.model)},
+            optimizers={"policy": self.optimizer}, schedulers={"lr": self.scheduler},
+            state={"sampler": self.sampler.state_dict()},
+            config=self.cfg.model_dump(mode="json"), keep_last=self.cfg.checkpoint.keep_last)
+
+    def _resume(self) -> None:
+        path = latest_checkpoint(self.ckpt_dir)
+        if path is None:
+            log.info("resume: no checkpoint under %s; starting from step 0", self.ckpt_dir)
+            return
+        ckpt = load_checkpoint(path, optimizers={"policy": self.optimizer}, schedulers={"lr": self.scheduler})
+        load_into(self.model, ckpt.tensors["model"])
+        self.sampler.load_state_dict(ckpt.state["sampler"])
+        self.step = ckpt.step
+        self.resumed_from = path
+        if ckpt.config is not None:
+            now = self.cfg.model_dump(mode="json")
+            changed = sorted(k for k in set(now) | set(ckpt.config)
+                             if k not in _RESUME_FREE and now.get(k) != ckpt.config.get(k))
+            if changed:
+                warnings.warn(f"resume: the config differs from the checkpoint's in {changed}", stacklevel=2)
+        log.info("resumed from %s (step %d)", path, self.step)
+
+    # --- phases ------------------------------------------------------------------------------
+
+    def _score(self, rollout: Rollout) -> RewardScores:
+        rows = [self.data.rows[int(i)] for i in rollout.prompt_index]
+        field = self.cfg.data.prompt_field
+        ids = [c[m].tolist() for c, m in zip(rollout.completion_ids, rollout.completion_mask)]
+        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        conv = [self.data.conversational[int(i)] for i in rollout.prompt_index]
+        completions = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, conv)]
+        names = sorted({k for row in rows for k in row} - {field})
+        columns = {k: [row.get(k) for row in rows] for k in names}
+        return score_completions(self.rewards, prompts=[row[field] for row in rows], completions=completions,
+                                 completion_ids=ids, columns=columns,
+                                 trainer_state={"global_step": self.step},
+                                 stop_on_error=self.cfg.stop_on_reward_error)
+
+    def _group_batch(self, values: torch.Tensor, rollout: Rollout) -> GroupBatch:
+        G = rollout.group_size
+        P = values.shape[0] // G
+        return GroupBatch(rewards=values.view(P, G, -1), reward_weights=[r.weight for r in self.rewards],
+                          reward_names=[r.name for r in self.rewards], lengths=rollout.lengths.view(P, G).float(),
+                          head_nan_policy=self.cfg.advantage.head_nan_policy)
+
+    def _collect(self, record: dict) -> tuple[Optional[Rollout], Optional[RewardScores]]:
+        """Generate and score P groups; with dynamic sampling, keep only groups whose rewards vary."""
+        cfg, ds = self.cfg.generation, self.cfg.dynamic_sampling
+        P, G = cfg.prompts_per_step, cfg.group_size
+        kept_r, kept_s = [], []
+        n_kept, rounds, generated = 0, 0, 0
+        t_gen = t_rew = 0.0
+        nones = [0] * len(self.rewards)
+        errors = [0] * len(self.rewards)
+        while True:
+            index = self.sampler.next(P)
+            t0 = time.perf_counter()
+            rollout = self.generator.generate([self.data.prompt_ids[i] for i in index], index)
+            t1 = time.perf_counter()
+            scores = self._score(rollout)
+            t_gen += t1 - t0
+            t_rew += time.perf_counter() - t1
+            generated += P
+            nones = [a + b for a, b in zip(nones, scores.none_counts)]
+            errors = [a + b for a, b in zip(errors, scores.error_counts)]
+            if not ds.enabled:
+                kept_r, kept_s, n_kept = [rollout], [scores], P
+                break
+            scalar = self._group_batch(scores.values, rollout).scalar_rewards()
+            ok = torch.isfinite(scalar)
+            spread = masked_std(scalar, ok, dim=1, unbiased=False).squeeze(1) > ds.min_std
+            keep = [g for g in range(P) if bool(spread[g])][:P - n_kept]
+            if keep:
+                kept_r.append(rollout.select_groups(keep))
+                rows = torch.tensor([g * G + j for g in keep for j in range(G)])
+                kept_s.append(replace(scores, values=scores.values[rows]))
+                n_kept += len(keep)
+            if n_kept >= P or rounds >= ds.max_extra_rounds:
+                break
+            rounds += 1
+        record.update({"time/generate": t_gen, "time/reward": t_rew, "count/generated_groups": generated,
+                       "count/reward_calls": len(self.rewards) * (generated // P)})
+        for r, n, e in zip(self.rewards, nones, errors):
+            record[f"rewards/{r.name}/none_count"] = n
+            record[f"rewards/{r.name}/error_count"] = e
+        if ds.enabled:
+            record.update({"dynamic_sampling/extra_rounds": rounds, "dynamic_sampling/kept_groups": n_kept,
+                           "dynamic_sampling/dropped_groups": generated - n_kept})
+        if not kept_r:
+            return None, None
+        rollout = Rollout.concat(kept_r, self.generator.pad_id)
+        values = torch.cat([s.values for s in kept_s])
+        return rollout, RewardScores(values, nones, errors)
+
+    def _needs_old_pass(self) -> bool:
+        t = self.cfg.train
+        return t.num_iterations > 1 or t.mini_batches > 1 or self.cfg.ratio_check.enabled
+
+    def _skip_zero_advantage(self) -> bool:
+        """Rows with A = 0 add nothing to the gradient unless a KL / entropy term or a local normaliser is used."""
+        return (not self.use_kl and not self.cfg.loss.entropy_coef
+                and self.cfg.loss.aggregation.name != "local_token_mean")
+
+    # --- one step ----------------------------------------------------------------------------
+
+    def train_step(self) -> dict[str, Any]:
+        cfg = self.cfg
+        self._in_step = True  # weights may be half-updated until _finish_step
+        t_step = time.perf_counter()
+        record: dict[str, Any] = {"step": self.step + 1, "lr": self.optimizer.param_groups[0]["lr"]}
+        record.update(self.generator.settings)
+        rollout, scores = self._collect(record)
+        if rollout is None:
+            log.warning("step %d: dynamic sampling kept no group with reward spread; no update", self.step + 1)
+            record["skipped_update"] = 1
+            self._finish_step(record, t_step)
+            return record
+
+        # rewards -> advantages (shared core)
+        batch = self._group_batch(scores.values, rollout)
+        adv = compute_advantages(batch, cfg.advantage)
+        if adv.level != "sample":
+            raise ValueError(f"advantage estimator '{cfg.advantage.estimator.name}' gives {adv.level}-level "
+                             f"advantages; the text trainer uses one advantage per completion")
+        record.update(adv.metrics)
+        lengths = rollout.lengths.float()
+        record.update({
+            "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+            "completions/max_length": float(lengths.max()),
+            "completions/clipped_ratio": float(rollout.truncated.float().mean()),
+            "completions/mean_terminated_length": float(lengths[~rollout.truncated].mean())
+            if bool((~rollout.truncated).any()) else math.nan,
+        })
+
+        N = rollout.num_sequences
+        mask = rollout.completion_mask.clone()
+        if cfg.generation.mask_truncated:
+            mask &= ~rollout.truncated.unsqueeze(1)
+        temp = cfg.generation.temperature
+        lp_batch = cfg.train.logprob_batch_size or cfg.train.micro_batch_size
+        counts = {k: 0 for k in ("count/forward_nograd", "count/forward_grad", "count/backward",
+                                 "count/optimizer_steps")}
+
+        # old and reference log-probs (no grad)
+        t0 = time.perf_counter()
+        logp_old = entropy = logp_ref = None
+        if self._needs_old_pass():
+            logp_old, entropy = batch_logprobs(self.model, rollout, temp, lp_batch, with_entropy=True)
+            counts["count/forward_nograd"] += math.ceil(N / lp_batch)
+        if self.use_kl:
+            with self.reference() as ref_model:
+                logp_ref, _ = batch_logprobs(ref_model, rollout, temp, lp_batch)
+            counts["count/forward_nograd"] += math.ceil(N / lp_batch)
+        record["time/logprob"] = time.perf_counter() - t0
+
+        dev = self.device
+        full = LossInputs(
+            logp=torch.zeros(mask.shape, device=dev), logp_old=torch.zeros(mask.shape, device=dev)
+            if logp_old is None else logp_old, advantages=adv.advantages.reshape(N).to(dev),
+            mask=mask.to(dev), sample_weight=adv.sample_weight.reshape(N).to(dev),
+            logp_ref=logp_ref)
+        if entropy is not None:
+            record["entropy/mean"] = float(entropy[full.mask].mean()) if bool(full.mask.any()) else math.nan
+        live = (full.mask.any(1) & (full.sample_weight.squeeze(1) > 0)).cpu()
+        if self._skip_zero_advantage():
+            live &= (full.advantages.squeeze(1) != 0).cpu()
+
+        # policy update: num_iterations passes x mini_batches optimizer steps
+        t0 = time.perf_counter()
+        metrics = _MetricAccumulator()
+        first_pass_dev = 0.0
+        grad_norms = []
+        on_policy = True  # until the first optimizer step
+        for it in range(cfg.train.num_iterations):
+            if cfg.train.shuffle:
+                g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.step * 1009 + it)
+                order = torch.randperm(N, generator=g)
+            else:
+                order = torch.arange(N)
+            for mini in order.chunk(cfg.train.mini_batches):
+                norm = LossNormalizer.from_inputs(full.split(mini), const_len=cfg.generation.max_new_tokens)
+                self.optimizer.zero_grad(set_to_none=True)
+                rows_live = mini[live[mini]]
+                for micro in rows_live.split(cfg.train.micro_batch_size) if rows_live.numel() else ():
+                    logp, ent = micro_logprobs(self.model, rollout, micro, temp,
+                                               with_entropy=bool(cfg.loss.entropy_coef))
+                    counts["count/forward_grad"] += 1
+                    m = full.mask[micro]
+                    old = full.logp_old[micro] if logp_old is not None else logp.detach()
+                    if on_policy and logp_old is not None and bool(m.any()):
+                        dev_ = ((logp.detach() - old)[m].exp() - 1).abs().max()
+                        first_pass_dev = max(first_pass_dev, float(dev_))
+                    inputs = replace(full.split(micro), logp=logp, logp_old=old, entropy=ent)
+                    out = policy_loss(inputs, cfg.loss, norm)
+                    out.loss.backward()
+                    counts["count/backward"] += 1
+                    metrics.add(out.metrics, int(m.sum()))
+                max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm is not None else math.inf
+                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.params, max_norm)))
+                self.optimizer.step()
+                counts["count/optimizer_steps"] += 1
+                on_policy = False
+        record["time/train"] = time.perf_counter() - t0
+        record.update(metrics.result(counts["count/optimizer_steps"]))
+        record.update(counts)
+        if grad_norms:
+            record["grad_norm"] = sum(grad_norms) / len(grad_norms)
+            record["grad_norm_max"] = max(grad_norms)
+        if self._needs_old_pass() and cfg.ratio_check.enabled:
+            record["check/first_pass_ratio_dev"] = first_pass_dev
+            if first_pass_dev > cfg.ratio_check.tolerance:
+                msg = (f"ON-POLICY CHECK FAILED at step {self.step + 1}: the first pass over a fresh batch gives "
+                       f"|ratio - 1| up to {first_pass_dev:.3e} (tolerance {cfg.ratio_check.tolerance:.1e}). The "
+                       f"weights that score the batch do not reproduce the log-probs that sampled it (dropout on? "
+                       f"non-deterministic kernels? a changed model between the passes?)")
+                log.warning(msg)
+                warnings.warn(msg, OnPolicyRatioWarning, stacklevel=2)
+        gen_tokens = int(rollout.lengths.sum())
+        record["tokens/generated"] = gen_tokens
+        record["tokens/per_second_generate"] = gen_tokens / max(record["time/generate"], 1e-9)
+        self._finish_step(record, t_step, gen_tokens)
+        return record
+
+    def _finish_step(self, record: dict, t_step: float, gen_tokens: int = 0) -> None:
+        self.scheduler.step()
+        self.step += 1
+        self._in_step = False
+        record["time/step"] = time.perf_counter() - t_step
+        record["tokens/per_second"] = gen_tokens / max(record["time/step"], 1e-9)
+
+    # --- the run -----------------------------------------------------------------------------
+
+    def train(self) -> list[dict[str, Any]]:
+        cfg = self.cfg
+        from tqdm.auto import tqdm
+
+        dump_config(cfg, self.out / "config.yaml")
+        metrics_path = self.out / "metrics.jsonl"
+        if self.step > 0 and metrics_path.is_file():  # drop records written after the checkpoint
+            kept = [line for line in metrics_path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= self.step]
+            metrics_path.write_text("".join(line + "\n" for line in kept))
+        end = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
+        history: list[dict[str, Any]] = []
+        bar = tqdm(total=cfg.steps, initial=self.step, desc="text-grpo", disable=not cfg.progress)
+        saved_at = ckpt_seconds = None
+        with MetricsWriter(metrics_path, append=self.step > 0) as writer:
+            try:
+                while self.step < end:
+                    record = self.train_step()
+                    if ckpt_seconds is not None:  # the save that followed the previous step
+                        record["time/checkpoint"], ckpt_seconds = ckpt_seconds, None
+                    # the record goes out before the checkpoint: a crash in between leaves a record
+                    # newer than the checkpoint, which a resumed run drops and writes again
+                    writer.write(record)
+                    history.append(record)
+                    every = cfg.checkpoint.every
+                    if (every and self.step % every == 0) or self.step == end:
+                        t0 = time.perf_counter()
+                        self.save()
+                        saved_at = self.step
+                        ckpt_seconds = time.perf_counter() - t0
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{record.get('reward_mean', math.nan):.3f}",
+                                    len=f"{record.get('completions/mean_length', math.nan):.1f}")
+            except KeyboardInterrupt:
+                if self.step > 0 and saved_at != self.step and not self._in_step:
+                    log.warning("interrupted: saving a checkpoint at step %d", self.step)
+                    self.save()
+                raise
+            finally:
+                bar.close()
+        if self.step >= cfg.steps and cfg.checkpoint.save_final_model:
+            final = self.out / "final"
+            self.model.save_pretrained(str(final))
+            self.tokenizer.save_pretrained(str(final))
+        return history
+
+
+class _MetricAccumulator:
+    """Loss-part metrics over micro-batches: token-weighted means, min/max of ratio extremes, summed losses."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = defaultdict(float)
+        self.weights: dict[str, float] = defaultdict(float)
+        self.mins: dict[str, float] = {}
+        self.maxs: dict[str, float] = {}
+
+    def add(self, metrics: Mapping[str, float], tokens: int) -> None:
+        for k, v in metrics.items():
+            if k.endswith("/min"):
+                self.mins[k] = min(self.mins.get(k, math.inf), v)
+            elif k.endswith("/max"):
+                self.maxs[k] = max(self.maxs.get(k, -math.inf), v)
+            elif k.startswith("loss/"):
+                self.sums[k] += v  # each micro-batch's loss is already divided by the global counts
+            else:
+                self.sums[k] += v * tokens
+                self.weights[k] += tokens
+
+    def result(self, optimizer_steps: int) -> dict[str, float]:
+        out: dict[str, float] = {**self.mins, **self.maxs}
+        for k, v in self.sums.items():
+            if k.startswith("loss/"):
+                out[k] = v / max(optimizer_steps, 1)
+            else:
+                out[k] = v / self.weights[k] if self.weights[k] else math.nan
+        return out
+
+
+def train_text(config: TextConfig, reward_funcs: Optional[Mapping[str, Callable]] = None) -> list[dict[str, Any]]:
+    """Build the trainer and run it; returns the metrics records of the steps run."""
+    return TextGRPOTrainer(config, reward_funcs).train()

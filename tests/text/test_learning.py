@@ -1,0 +1,81 @@
+"""The tiny random LM learns a verifiable task with every main loss preset; lr = 0 does not.
+
+Task: emit the letter "a" (reward = share of the completion's byte tokens that are "a"), 2 prompts x 8
+completions x 32 tokens, 20 steps, lr 2e-2, 2 inner iterations (configs/text/tiny_pattern.yaml).
+Measured over seeds 0-5 (CPU, one thread): the mean reward of the last 5 steps is 0.971-1.000 for
+grpo, dr_grpo, dapo and gspo (every seed), while lr = 0 stays at 0.002-0.008 (run-to-run std 0.002;
+per-step std within a control run 0.002-0.004). The test asserts a margin of 0.5 and of 50 x the
+control's own per-step noise; the measured margin is about 0.97, i.e. ~250 x that noise.
+"""
+
+import math
+import statistics
+import warnings
+from pathlib import Path
+
+import pytest
+
+from flowgrpo.text import OnPolicyRatioWarning, train_text
+
+
+TINY = Path(__file__).resolve().parents[2] / "configs" / "text" / "tiny_pattern.yaml"
+
+
+def _last(history, k=5):
+    return statistics.mean(r["reward_mean"] for r in history[-k:])
+
+
+@pytest.fixture(scope="module")
+def control(tmp_path_factory):
+    import torch
+
+    from flowgrpo.text import load_text_config
+
+    torch.set_num_threads(1)
+    out = tmp_path_factory.mktemp("control")
+    cfg = load_text_config(TINY, ["num_threads=1", f"output_dir={out}", "progress=false", "optim.lr=0", "loss.preset=dapo",
+                                  "checkpoint.every=0"])
+    return train_text(cfg)
+
+
+@pytest.mark.parametrize("preset", ["grpo", "dr_grpo", "dapo", "gspo"])
+def test_learns_far_above_lr0(preset, tiny_config, control):
+    history = train_text(tiny_config(f"loss.preset={preset}", "checkpoint.every=0"))
+    base = _last(control)
+    noise = statistics.pstdev(r["reward_mean"] for r in control)
+    learned = _last(history)
+    assert history[0]["reward_mean"] < 0.05  # starts near zero
+    assert learned - base > 0.5, (preset, learned, base)
+    assert learned - base > 50 * noise, (preset, learned, base, noise)
+
+
+def test_lr0_control_stays_flat(control):
+    assert _last(control) < 0.03
+    assert all(r["grad_norm"] >= 0 for r in control if "grad_norm" in r)
+
+
+def test_first_pass_ratio_is_one(tiny_config):
+    """The live on-policy check: every step's first pass gives |ratio - 1| <= 1e-5 (LoRA and full tuning)."""
+    for extra in ([], ["model.lora.enabled=true", "loss.kl.coef=0.01"]):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", OnPolicyRatioWarning)
+            history = train_text(tiny_config("steps=3", "checkpoint.every=0", "train.micro_batch_size=5",
+                                             "train.logprob_batch_size=7", *extra, name="ratio" + str(len(extra))))
+        devs = [r["check/first_pass_ratio_dev"] for r in history]
+        assert len(devs) == 3 and max(devs) <= 1e-5, devs
+
+
+def test_ratio_check_warns_loudly_when_off_policy(tiny_config, monkeypatch):
+    """Shift the old log-probs by 0.01: the check reports the deviation and warns."""
+    import flowgrpo.text.trainer as trainer_mod
+
+    real = trainer_mod.batch_logprobs
+
+    def shifted(*args, **kwargs):
+        logp, ent = real(*args, **kwargs)
+        return logp + 0.01, ent
+
+    monkeypatch.setattr(trainer_mod, "batch_logprobs", shifted)
+    with pytest.warns(OnPolicyRatioWarning, match="ON-POLICY CHECK FAILED"):
+        history = train_text(tiny_config("steps=1", "checkpoint.every=0"))
+    assert abs(history[0]["check/first_pass_ratio_dev"] - (1 - math.exp(-0.01))) < 1e-4
