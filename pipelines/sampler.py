@@ -99,9 +99,9 @@ class Sampler:
         cfg = self.config
         if adapter.prediction == "epsilon":
             return ddim_schedule(cfg.num_steps, config=adapter.scheduler_config)
-        if adapter.scheduler_config.get("use_dynamic_shifting"):  # FLUX: shift from the packed token count
-            _, h, w = adapter.latent_shape(cfg.height, cfg.width)
-            return flow_schedule(cfg.num_steps, image_seq_len=(h // 2) * (w // 2), config=adapter.scheduler_config)
+        if adapter.scheduler_config.get("use_dynamic_shifting"):  # FLUX, Qwen-Image: shift from the token count
+            return flow_schedule(cfg.num_steps, image_seq_len=adapter.image_seq_len(cfg.height, cfg.width),
+                                 config=adapter.scheduler_config)
         return flow_schedule(cfg.num_steps, shift=cfg.shift, config=adapter.scheduler_config)
 
     def _kernel(self, adapter, sde: bool, solver: str) -> tuple[str, dict]:

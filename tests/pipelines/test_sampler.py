@@ -143,3 +143,35 @@ def test_kernel_family_mismatch_and_unknown_kernel():
         SamplerConfig(sde_kernel="flow_sdee")
     with pytest.raises(ValueError, match="dpm2m"):
         _run(ToyAdapter("epsilon"), "window", {"size": 2, "post_solver": "dpm2m"}, 2, ("ddim", {}))
+
+
+# --- real tiny diffusers models: every kernel x adapter x plan ------------------------------------
+
+ADAPTER_KERNELS = [("sd3", k) for k in FLOW_KERNELS] + [("flux", ("flow_sde", {"a": 0.9})), ("flux", ("cps", {"a": 0.7})),
+                   ("qwenimage", ("dance_sde", {"eta": 0.3})), ("sd15", ("ddim", {"eta": 1.0}))]
+
+
+@pytest.fixture(scope="module")
+def tiny_adapters():
+    from pipelines.adapters import build_adapter
+
+    return {name: build_adapter(name, tiny=True) for name in ("sd3", "flux", "qwenimage", "sd15")}
+
+
+@pytest.mark.parametrize("plan_name,settings,group", PLANS, ids=[f"{p[0]}{'-1step' if p[1].get('one_step') else ''}" for p in PLANS])
+@pytest.mark.parametrize("family,kernel", ADAPTER_KERNELS, ids=[f"{a}-{k[0]}" for a, k in ADAPTER_KERNELS])
+def test_tiny_models_rescore_to_ratio_one(tiny_adapters, family, kernel, plan_name, settings, group):
+    adapter = tiny_adapters[family]
+    cfg_mode = "none" if family == "flux" else "full"
+    sampler = Sampler(SamplerConfig(num_steps=4, sde_kernel={"name": kernel[0], **kernel[1]}, cfg_mode=cfg_mode,
+                                    guidance_scale=3.0, keep_means=True))
+    plan = build_plan(plan_name, 4, **{**settings, **({"points": [1, 2]} if plan_name == "branch_points" else {}),
+                                       **({"split_steps": (0, 2)} if plan_name == "tree" else {})})
+    tree = sampler.run(adapter, ["a cat"], plan, group, torch.Generator().manual_seed(0))
+    edges = tree.trained_edges()
+    out = sampler.rescore(adapter, tree, edges, ["a cat"])
+    assert torch.allclose(out.logp, tree.edge_logp[edges], atol=1e-5, rtol=0), (out.logp - tree.edge_logp[edges]).abs().max()
+    if kernel[0] != "cps":
+        e = int(edges[0])
+        want = _gaussian_logp(tree.states[e:e + 1], tree.edge_mean[e:e + 1], float(tree.edge_std[e]))
+        assert abs(float(want) - float(tree.edge_logp[e])) < 1e-4

@@ -1,0 +1,37 @@
+"""Model adapters, one per family, by name. Importing this package does not import diffusers.
+
+    adapter = build_adapter("sd3", tiny=True)                         # tests, demos
+    adapter = build_adapter("flux", pretrained="/models/FLUX.1-dev", dtype=torch.bfloat16, device="cuda")
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .base import CFG_MODES, LORA_INITS, Adapter, PromptEmbeds
+from .flux import FluxAdapter
+from .qwenimage import QwenImageAdapter
+from .sd3 import SD3Adapter
+from .sd15 import SD15Adapter
+
+ADAPTERS: dict[str, type[Adapter]] = {
+    cls.family: cls for cls in (SD3Adapter, FluxAdapter, SD15Adapter, QwenImageAdapter)
+}
+
+
+def build_adapter(name: str, pretrained: str | os.PathLike | None = None, tiny: bool = False, **kw: Any) -> Adapter:
+    """`pretrained` (a local pipeline folder or hub id) or `tiny=True` (random weights); kw go to
+    `from_pretrained` / `tiny` (dtype, device, seed, family options such as qk_norm / guidance_embeds)."""
+    if name not in ADAPTERS:
+        raise ValueError(f"unknown model family '{name}'; valid: {sorted(ADAPTERS)}")
+    if (pretrained is None) == (not tiny):
+        raise ValueError("pass exactly one of pretrained=<path or hub id> or tiny=True")
+    cls = ADAPTERS[name]
+    return cls.tiny(**kw) if tiny else cls.from_pretrained(pretrained, **kw)
+
+
+__all__ = [
+    "ADAPTERS", "CFG_MODES", "LORA_INITS", "Adapter", "FluxAdapter", "PromptEmbeds", "QwenImageAdapter",
+    "SD15Adapter", "SD3Adapter", "build_adapter",
+]  # fmt: skip

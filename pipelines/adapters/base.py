@@ -1,0 +1,406 @@
+"""The adapter contract: what the sampler and the trainer may ask of a text-to-image model.
+
+An adapter wraps the family's real diffusers pipeline (`self.pipe`) and adds only what RL needs:
+prompt embeddings cached per string, the denoiser output for a batch of states with classifier-free
+guidance in one batched forward, decoding, and LoRA (train, disable for the reference, save / load in
+the format `pipeline.load_lora_weights` reads). diffusers is imported lazily, inside methods.
+
+Families implement `_encode` (texts -> rows), `_forward` (one denoiser call) and `_tiny_pipeline`.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import dataclasses
+import importlib
+import os
+import re
+from collections import OrderedDict
+from typing import Any, ClassVar, Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+CFG_MODES = ("full", "detach_uncond", "none")
+LORA_INITS = ("gaussian", "default")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclasses.dataclass
+class PromptEmbeds:
+    """Text conditioning for a batch: row b of every tensor belongs to sample b.
+
+    `cond` / `uncond` are token embeddings of the prompt / negative prompt; `pooled` / `uncond_pooled`
+    the pooled vectors (SD3, FLUX); `mask` / `uncond_mask` token masks (families that need them).
+    """
+
+    cond: Tensor
+    uncond: Tensor | None = None
+    pooled: Tensor | None = None
+    uncond_pooled: Tensor | None = None
+    mask: Tensor | None = None
+    uncond_mask: Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.cond.shape[0]
+
+    def _map(self, fn) -> "PromptEmbeds":
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return PromptEmbeds(**{k: None if t is None else fn(t) for k, t in values.items()})
+
+    def index(self, idx: Any) -> "PromptEmbeds":
+        """Rows `idx` (int list, slice, bool or long tensor) of every tensor; an int keeps the batch dim."""
+        if isinstance(idx, int):
+            idx = [idx]
+        if isinstance(idx, Tensor):
+            idx = idx.to(self.cond.device)
+        return self._map(lambda t: t[idx])
+
+    def to(self, device: Any = None, dtype: torch.dtype | None = None) -> "PromptEmbeds":
+        """Move every tensor; `dtype` applies to floating tensors only (masks keep theirs)."""
+        return self._map(lambda t: t.to(device=device, dtype=dtype if t.is_floating_point() else None))
+
+    def conditional(self) -> dict[str, Tensor | None]:
+        return {"embeds": self.cond, "pooled": self.pooled, "mask": self.mask}
+
+    def cfg_pair(self) -> dict[str, Tensor | None]:
+        """[uncond; cond] stacked on the batch dim, the order diffusers' pipelines use."""
+        if self.uncond is None:
+            raise ValueError("these PromptEmbeds have no uncond branch; encode them with a negative prompt")
+
+        # Families with token masks may have cond and uncond of different lengths: pad to the longer.
+        n = max(self.cond.shape[1], self.uncond.shape[1])
+        pad = (lambda t: _pad(t, n)) if self.mask is not None else (lambda t: t)
+        return {
+            "embeds": torch.cat([pad(self.uncond), pad(self.cond)]),
+            "pooled": None if self.pooled is None else torch.cat([self.uncond_pooled, self.pooled]),
+            "mask": None if self.mask is None else torch.cat([pad(self.uncond_mask), pad(self.mask)]),
+        }
+
+
+class Adapter(abc.ABC):
+    """One model family over its diffusers pipeline. See the module docstring."""
+
+    family: ClassVar[str]
+    prediction: ClassVar[str] = "velocity"
+    pipeline_class: ClassVar[str]  # attribute of `diffusers`, imported lazily
+    denoiser_name: ClassVar[str] = "transformer"  # pipeline component that LoRA attaches to
+    lora_targets: ClassVar[tuple[str, ...]]
+    default_max_sequence_length: ClassVar[int] = 256
+    options: ClassVar[tuple[str, ...]] = ("max_sequence_length", "prompt_cache_size")  # constructor kw
+    tiny_max_sequence_length: ClassVar[int] = 16  # = the tiny tokenizers' length
+    encode_batch_size: ClassVar[int] = 64  # new prompts are encoded in chunks of this many
+
+    def __init__(self, pipe: Any, *, max_sequence_length: int | None = None, prompt_cache_size: int = 256):
+        self.pipe = pipe
+        self.max_sequence_length = max_sequence_length or self.default_max_sequence_length
+        self.prompt_cache_size = prompt_cache_size
+        self._cache: OrderedDict[str, dict[str, Tensor]] = OrderedDict()
+        for module in pipe.components.values():
+            if isinstance(module, torch.nn.Module):
+                module.requires_grad_(False)  # only LoRA parameters are ever trained
+                module.eval()
+
+    # ---- components ----------------------------------------------------------------------------
+
+    @property
+    def denoiser(self) -> torch.nn.Module:
+        return getattr(self.pipe, self.denoiser_name)
+
+    @property
+    def vae(self) -> torch.nn.Module:
+        return self.pipe.vae
+
+    @property
+    def scheduler_config(self) -> dict[str, Any]:
+        return {k: v for k, v in self.pipe.scheduler.config.items() if not k.startswith("_")}
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.denoiser.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.denoiser.parameters()).dtype
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return 2 ** (len(self.vae.config.block_out_channels) - 1)
+
+    def to(self, device: Any) -> "Adapter":
+        """Move every component (dtype is chosen at construction: a cast here would also cast LoRA)."""
+        self.pipe.to(device)
+        self._cache.clear()  # cached rows live on the old device
+        return self
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
+        """Unpacked latent (C, h, w) for an image of height x width pixels."""
+        mult = self.vae_scale_factor * self._patch_size()
+        if height % mult or width % mult:
+            raise ValueError(f"{self.family}: height and width must be multiples of {mult}, got {height}x{width}")
+        return (self._latent_channels(), height // self.vae_scale_factor, width // self.vae_scale_factor)
+
+    def image_seq_len(self, height: int, width: int) -> int:
+        """Image tokens the denoiser sees (FLUX / Qwen-Image schedules shift with this)."""
+        _, h, w = self.latent_shape(height, width)
+        return (h // self._patch_size()) * (w // self._patch_size())
+
+    def _latent_channels(self) -> int:
+        return self.vae.config.latent_channels
+
+    def _patch_size(self) -> int:
+        return 1
+
+    # ---- prompts -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: Sequence[str], negative_prompt: str = "") -> PromptEmbeds:
+        """Embeddings for `prompts` (+ `negative_prompt` as the uncond branch), encoded once per string."""
+        if isinstance(prompts, str):
+            raise TypeError("prompts must be a list of strings, not a single string")
+        wanted = list(dict.fromkeys([*prompts, negative_prompt]))
+        missing = [p for p in wanted if p not in self._cache]
+        for start in range(0, len(missing), self.encode_batch_size):
+            chunk = missing[start : start + self.encode_batch_size]
+            rows = self._encode(chunk)
+            for i, p in enumerate(chunk):
+                # with a token mask, keep a row's real tokens only; `_stack` pads per batch
+                n = int(rows["mask"][i].sum()) if "mask" in rows else None
+                self._cache[p] = {k: v[i : i + 1] if n is None or k == "pooled" else v[i : i + 1, :n]
+                                  for k, v in rows.items()}  # fmt: skip
+        for p in wanted:
+            self._cache.move_to_end(p)
+        cond = _stack([self._cache[p] for p in prompts])
+        uncond = _stack([self._cache[negative_prompt]] * len(prompts))
+        while len(self._cache) > max(self.prompt_cache_size, len(wanted)):
+            self._cache.popitem(last=False)
+        return PromptEmbeds(
+            cond=cond["embeds"],
+            uncond=uncond["embeds"],
+            pooled=cond.get("pooled"),
+            uncond_pooled=uncond.get("pooled"),
+            mask=cond.get("mask"),
+            uncond_mask=uncond.get("mask"),
+        )
+
+    @abc.abstractmethod
+    def _encode(self, texts: list[str]) -> dict[str, Tensor]:
+        """One encoder pass: {"embeds": [N, L, D], optional "pooled": [N, D], "mask": [N, L]}."""
+
+    # ---- denoiser ------------------------------------------------------------------------------
+
+    def model_output(
+        self,
+        latents: Tensor,
+        sigma: Tensor | float,
+        embeds: PromptEmbeds,
+        guidance_scale: float,
+        cfg_mode: str = "full",
+    ) -> Tensor:
+        """Denoiser output (velocity or epsilon) for latents [B, C, h, w], float32, same shape.
+
+        `sigma` is the flow time in [0, 1] (velocity families) or the DDIM timestep (epsilon).
+        "full": uncond + w * (cond - uncond) from one batched forward; "detach_uncond": the same value
+        with the uncond branch detached, so gradients reach the policy only through cond (Flow-GRPO
+        training); "none": cond only, where `guidance_scale` is used only by a guidance embedding (FLUX dev).
+        """
+        if cfg_mode not in CFG_MODES:
+            raise ValueError(f"cfg_mode must be one of {CFG_MODES}, got '{cfg_mode}'")
+        if latents.dim() != 4:
+            raise ValueError(f"latents must be [B, C, h, w], got shape {tuple(latents.shape)}")
+        b = latents.shape[0]
+        if len(embeds) != b:
+            raise ValueError(f"embeds have {len(embeds)} rows but latents have {b}")
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).reshape(-1).expand(b)
+        x = latents.to(self.dtype)
+        if cfg_mode == "none":
+            return self._forward(x, sigma, embeds.conditional(), guidance_scale).float()
+        out = self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]), embeds.cfg_pair(), None).float()
+        uncond, cond = out.chunk(2)
+        if cfg_mode == "detach_uncond":
+            uncond = uncond.detach()
+        return self._combine(uncond, cond, guidance_scale)
+
+    def _combine(self, uncond: Tensor, cond: Tensor, w: float) -> Tensor:
+        return uncond + w * (cond - uncond)
+
+    @abc.abstractmethod
+    def _forward(self, x: Tensor, sigma: Tensor, text: dict[str, Tensor | None], guidance: float | None) -> Tensor:
+        """One denoiser call on [N, C, h, w] in the model dtype; `guidance` is None in the CFG modes."""
+
+    # ---- images --------------------------------------------------------------------------------
+
+    def decode(self, latents: Tensor) -> Tensor:
+        """Images [B, 3, H, W] float32 in [0, 1]; latents are un-scaled / un-shifted as the VAE expects."""
+        cfg = self.vae.config
+        z = latents.to(self.vae.dtype) / cfg.scaling_factor + (getattr(cfg, "shift_factor", None) or 0.0)
+        image = self.vae.decode(z, return_dict=False)[0]
+        return (image.float() / 2 + 0.5).clamp(0, 1)
+
+    # ---- LoRA ----------------------------------------------------------------------------------
+
+    def add_lora(
+        self,
+        rank: int = 32,
+        alpha: float | None = None,
+        target_modules: Sequence[str] | None = None,
+        init: str = "gaussian",
+        adapter_name: str = "default",
+        dtype: torch.dtype = torch.float32,
+    ) -> list[torch.nn.Parameter]:
+        """Attach a LoRA adapter to the denoiser; returns its (only) trainable parameters.
+
+        Both inits start with B = 0, so the LoRA model starts exactly at the base model. "gaussian"
+        (A ~ N(0, 1/r), as Flow-GRPO) or "default" (peft's Kaiming-uniform A). alpha defaults to rank.
+        LoRA weights are kept in `dtype` (float32) even on a bf16 base so small updates are not lost.
+        """
+        from peft import LoraConfig
+
+        if init not in LORA_INITS:
+            raise ValueError(f"init must be one of {LORA_INITS}, got '{init}'")
+        config = LoraConfig(
+            r=rank,
+            lora_alpha=rank if alpha is None else alpha,
+            target_modules=list(target_modules or self.lora_targets),
+            init_lora_weights="gaussian" if init == "gaussian" else True,
+        )
+        self.denoiser.add_adapter(config, adapter_name=adapter_name)
+        return self._lora_trainable(adapter_name, dtype)
+
+    def _lora_trainable(self, adapter_name: str, dtype: torch.dtype | None) -> list[torch.nn.Parameter]:
+        params = []
+        for name, p in self.denoiser.named_parameters():
+            mine = f".{adapter_name}." in name and ".lora_" in name
+            if mine and dtype is not None:
+                p.data = p.data.to(dtype)
+            p.requires_grad_(mine)
+            if mine:
+                params.append(p)
+        if not params:
+            raise ValueError(f"adapter '{adapter_name}' matched no module of the {self.family} denoiser")
+        return params
+
+    def lora_parameters(self, adapter_name: str = "default") -> list[torch.nn.Parameter]:
+        return [p for n, p in self.denoiser.named_parameters() if f".{adapter_name}." in n and ".lora_" in n]
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator["Adapter"]:
+        """The base model (all LoRA adapters off) for the KL reference, without a second model copy."""
+        if not getattr(self.denoiser, "peft_config", None):
+            yield self  # no adapter: the denoiser already is the base model
+            return
+        # peft's disable/enable also rewrite requires_grad of the LoRA weights; restore ours after.
+        flags = [(p, p.requires_grad) for p in self.denoiser.parameters()]
+        self.denoiser.disable_adapters()
+        try:
+            yield self
+        finally:
+            self.denoiser.enable_adapters()
+            for p, flag in flags:
+                p.requires_grad_(flag)
+
+    def save_lora(self, path: str | os.PathLike, adapter_name: str = "default") -> str:
+        """Write `path/pytorch_lora_weights.safetensors` (+ LoraConfig as metadata, so alpha survives)
+        with diffusers' own writer: `<Pipeline>.load_lora_weights(path)` reads it."""
+        from peft.utils import get_peft_model_state_dict
+
+        if adapter_name not in getattr(self.denoiser, "peft_config", {}):
+            raise ValueError(f"no LoRA adapter '{adapter_name}' on the {self.family} denoiser")
+        state = get_peft_model_state_dict(self.denoiser, adapter_name=adapter_name)
+        state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+        meta = self.denoiser.peft_config[adapter_name].to_dict()
+        self._pipeline_cls().save_lora_weights(
+            os.fspath(path),
+            **{f"{self.denoiser_name}_lora_layers": state, f"{self.denoiser_name}_lora_adapter_metadata": meta},
+        )
+        return os.fspath(path)
+
+    def load_lora(
+        self, path: str | os.PathLike, adapter_name: str = "default", dtype: torch.dtype = torch.float32
+    ) -> list[torch.nn.Parameter]:
+        """Load a diffusers-format LoRA (a folder or a .safetensors file) as `adapter_name`, replacing
+        an adapter of that name; returns its parameters, trainable."""
+        path = os.fspath(path)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"LoRA weights not found: '{path}'")
+        kw: dict[str, Any] = {"use_safetensors": True}  # no pickle: never fall back to .bin
+        if os.path.isfile(path):
+            path, kw["weight_name"] = os.path.split(path)
+        if adapter_name in getattr(self.denoiser, "peft_config", {}):
+            self.denoiser.delete_adapters(adapter_name)
+        self.denoiser.load_lora_adapter(path, prefix=self.denoiser_name, adapter_name=adapter_name, **kw)
+        self.denoiser.set_adapter(adapter_name)
+        return self._lora_trainable(adapter_name, dtype)
+
+    # ---- construction --------------------------------------------------------------------------
+
+    @classmethod
+    def _pipeline_cls(cls) -> Any:
+        return getattr(importlib.import_module("diffusers"), cls.pipeline_class)
+
+    @classmethod
+    def from_pretrained(
+        cls, path_or_hub_id: str | os.PathLike, dtype: torch.dtype = torch.float32, device: Any = "cpu", **kw: Any
+    ) -> "Adapter":
+        """Load a diffusers pipeline folder (or hub id) of this family. Adapter options (`options`:
+        max_sequence_length, prompt_cache_size, family extras) are split off; other kw go to the
+        pipeline's from_pretrained (variant, text_encoder_3=None, ...)."""
+        source = os.fspath(path_or_hub_id)
+        local = os.path.exists(source)
+        if not local and not _HUB_ID.match(source):
+            raise FileNotFoundError(f"{cls.family} weights not found: '{source}' does not exist (nor is it a hub id)")
+        if local and not os.path.isfile(os.path.join(source, "model_index.json")):  # also: a single file
+            raise FileNotFoundError(f"'{source}' has no model_index.json: expected a diffusers pipeline folder")
+        own = {k: kw.pop(k) for k in cls.options if k in kw}
+        try:
+            pipe = cls._pipeline_cls().from_pretrained(source, **{_dtype_kwarg(): dtype, **cls._load_kwargs(), **kw})
+        except OSError as err:
+            if local:
+                raise
+            offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+            raise FileNotFoundError(
+                f"'{source}' is not a local folder and could not be loaded as a hub id"
+                + (" (HF_HUB_OFFLINE is set)" if offline else "")
+                + f": {err}"
+            ) from err
+        return cls(pipe.to(device), **own)
+
+    @classmethod
+    def _load_kwargs(cls) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def tiny(cls, seed: int = 0, dtype: torch.dtype = torch.float32, device: Any = "cpu", **kw: Any) -> "Adapter":
+        """Same architecture classes with tiny random weights (seeded) and offline tokenizers."""
+        own = {k: kw.pop(k) for k in cls.options if k in kw}
+        own.setdefault("max_sequence_length", cls.tiny_max_sequence_length)
+        with torch.random.fork_rng(devices=[]):  # seeded weights without disturbing the caller's RNG
+            torch.manual_seed(seed)
+            pipe = cls._tiny_pipeline(**kw)
+        pipe.to(device)
+        if dtype != torch.float32:  # tiny weights are built in float32
+            pipe.to(dtype=dtype)
+        return cls(pipe, **own)
+
+    @classmethod
+    @abc.abstractmethod
+    def _tiny_pipeline(cls, **kw: Any) -> Any:
+        """The family's diffusers pipeline built from tiny configs (seeded by the caller)."""
+
+
+def _dtype_kwarg() -> str:
+    # diffusers renamed from_pretrained's `torch_dtype` to `dtype` (0.42 warns on the old name).
+    import diffusers.utils.deprecation_utils as dep
+
+    return "dtype" if hasattr(dep, "_TORCH_DTYPE_DEPRECATION_MESSAGE") else "torch_dtype"
+
+
+def _pad(t: Tensor, n: int) -> Tensor:
+    """Zero-pad dim 1 (tokens) to length n: padded tokens have mask 0."""
+    return t if t.shape[1] == n else torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, n - t.shape[1]))
+
+
+def _stack(rows: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    n = max(r["embeds"].shape[1] for r in rows)
+    return {k: torch.cat([r[k] if k == "pooled" else _pad(r[k], n) for r in rows]) for k in rows[0]}

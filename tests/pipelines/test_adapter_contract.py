@@ -1,0 +1,302 @@
+"""The adapter contract on every tiny family: prompts, CFG modes, decode, LoRA, reference, dtype, errors."""
+
+import pytest
+import torch
+
+from pipelines.adapters import ADAPTERS, Adapter, FluxAdapter, PromptEmbeds, build_adapter
+
+VARIANTS = {
+    "sd3": ("sd3", {}),
+    "sd3.5": ("sd3", {"qk_norm": True}),
+    "flux-dev": ("flux", {"guidance_embeds": True}),
+    "flux-schnell": ("flux", {"guidance_embeds": False}),
+    "sd15": ("sd15", {}),
+    "qwenimage": ("qwenimage", {}),
+}
+FAMILIES = ["sd3", "flux-dev", "sd15", "qwenimage"]  # one per family for the slower LoRA / grad / dtype tests
+PROMPTS = ["a red cat", "a blue dog"]
+W = 3.0
+
+
+def build(variant: str, **kw) -> Adapter:
+    name, opts = VARIANTS[variant]
+    return build_adapter(name, tiny=True, **opts, **kw)
+
+
+def inputs(a: Adapter, b: int = 2):
+    x = torch.randn(b, *a.latent_shape(32, 32))
+    s = torch.tensor([0.3, 0.8][:b]) if a.prediction == "velocity" else torch.tensor([300, 800][:b])
+    return x, s
+
+
+def uncond_as_cond(e: PromptEmbeds) -> PromptEmbeds:
+    return PromptEmbeds(cond=e.uncond, pooled=e.uncond_pooled, mask=e.uncond_mask)
+
+
+def none_guidance(a: Adapter) -> float:
+    # FLUX dev's CFG modes feed `embedded_guidance` to its guidance embedding; "none" feeds guidance_scale.
+    return a.embedded_guidance if isinstance(a, FluxAdapter) else W
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def variant(request) -> str:
+    return request.param
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def adapter(variant) -> Adapter:
+    """Shared by the read-only tests; tests that add LoRA build their own."""
+    return build(variant)
+
+
+def test_tiny_build(adapter):
+    assert adapter.family in ADAPTERS and type(adapter) is ADAPTERS[adapter.family]
+    assert adapter.prediction in ("velocity", "epsilon")
+    assert isinstance(adapter.denoiser, torch.nn.Module) and isinstance(adapter.scheduler_config, dict)
+    assert adapter.latent_shape(32, 32)[1:] == (16, 16)
+    # denoiser image tokens (the FLUX / Qwen-Image shift depends on it): 2x2 patches except the UNet
+    assert adapter.image_seq_len(32, 32) == (256 if adapter.family == "sd15" else 64)
+    assert not any(p.requires_grad for m in adapter.pipe.components.values() if isinstance(m, torch.nn.Module)
+                   for p in m.parameters())  # fmt: skip
+    with pytest.raises(ValueError, match="multiples of"):
+        adapter.latent_shape(33, 32)
+
+
+def test_tiny_is_seeded():
+    a, b, c = build("sd3"), build("sd3"), build("sd3", seed=1)
+    wa, wb, wc = (next(x.denoiser.parameters()) for x in (a, b, c))
+    assert torch.equal(wa, wb) and not torch.equal(wa, wc)
+
+
+def test_encode_prompts_cached(adapter):
+    adapter._cache.clear()
+    calls = []
+    encoders = [m for k, m in adapter.pipe.components.items() if k.startswith("text_encoder") and m is not None]
+    hooks = [m.register_forward_hook(lambda *_: calls.append(1)) for m in encoders]
+    try:
+        e1 = adapter.encode_prompts([PROMPTS[0], PROMPTS[1], PROMPTS[0]])
+        first = len(calls)
+        assert first == len(encoders)  # one batched pass per encoder for all new strings (incl. "")
+        e2 = adapter.encode_prompts([PROMPTS[1], PROMPTS[0]])
+        assert len(calls) == first  # cached: no second encoder call
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(e1) == 3 and e1.uncond.shape[0] == 3 and e1.uncond.shape[2] == e1.cond.shape[2]
+    assert torch.equal(e1.cond[0], e1.cond[2]) and torch.equal(e2.cond[0], e1.cond[1])
+    assert torch.equal(e1.uncond[0], e1.uncond[2])
+    assert not torch.equal(e1.cond[0], e1.cond[1])
+    with pytest.raises(TypeError):
+        adapter.encode_prompts("a red cat")
+
+
+def test_prompt_cache_is_bounded_and_chunked():
+    a = build("sd15", prompt_cache_size=2)
+    for p in ["one", "two", "three", "four"]:
+        a.encode_prompts([p])
+    assert len(a._cache) <= 2 and "four" in a._cache
+    words = ["one", "two", "three", "four", "five"]
+    whole = a.encode_prompts(words)  # a batch larger than the cache is still served whole
+    b = build("sd15")
+    b.encode_batch_size = 2  # new strings are encoded 2 at a time
+    torch.testing.assert_close(b.encode_prompts(words).cond, whole.cond)
+
+
+def test_prompt_embeds_index_and_to(adapter):
+    e = adapter.encode_prompts(PROMPTS)
+    one = e.index([1])
+    assert len(one) == 1 and torch.equal(one.cond[0], e.cond[1]) and torch.equal(e.index(1).cond, one.cond)
+    picked = e.index(torch.tensor([1, 0, 1]))
+    assert len(picked) == 3 and torch.equal(picked.uncond[2], e.uncond[1])
+    half = e.to(dtype=torch.bfloat16)
+    assert half.cond.dtype == torch.bfloat16 and (half.pooled is None or half.pooled.dtype == torch.bfloat16)
+
+
+@pytest.mark.parametrize("mode", ["full", "detach_uncond", "none"])
+def test_model_output_shapes(adapter, mode):
+    x, s = inputs(adapter)
+    e = adapter.encode_prompts(PROMPTS)
+    with torch.no_grad():
+        out = adapter.model_output(x, s, e, W, mode)
+    assert out.shape == x.shape and out.dtype == torch.float32 and torch.isfinite(out).all()
+    if adapter.prediction == "velocity":  # a float sigma broadcasts over the batch
+        with torch.no_grad():
+            assert torch.allclose(adapter.model_output(x, 0.3, e, W, mode)[0], out[0], atol=1e-5)
+
+
+def test_full_cfg_equals_two_unbatched_calls(variant, adapter):
+    if adapter.family == "qwenimage":  # its default CFG also rescales norms, as its pipeline does
+        adapter = build(variant, cfg_renorm=False)
+    x, s = inputs(adapter)
+    e = adapter.encode_prompts(PROMPTS)
+    with torch.no_grad():
+        full = adapter.model_output(x, s, e, W, "full")
+        detached = adapter.model_output(x, s, e, W, "detach_uncond")
+        cond = adapter.model_output(x, s, e, none_guidance(adapter), "none")
+        uncond = adapter.model_output(x, s, uncond_as_cond(e), none_guidance(adapter), "none")
+    assert torch.equal(full, detached)
+    torch.testing.assert_close(full, uncond + W * (cond - uncond), atol=5e-5, rtol=1e-5)
+    assert not torch.allclose(full, cond, atol=1e-3)  # guidance really changes the output
+
+
+def test_flux_dev_guidance_embedding_used_only_by_dev():
+    for variant, used in (("flux-dev", True), ("flux-schnell", False)):
+        a = build(variant)
+        x, s = inputs(a)
+        e = a.encode_prompts(PROMPTS)
+        with torch.no_grad():
+            same = torch.equal(a.model_output(x, s, e, 1.0, "none"), a.model_output(x, s, e, 4.0, "none"))
+        assert same != used
+
+
+def test_detach_uncond_gradients_flow_only_through_cond(family):
+    a = build(family, **({"cfg_renorm": False} if family == "qwenimage" else {}))  # the plain formula first
+    params = a.add_lora(rank=4)
+    x, s = inputs(a)
+    e = a.encode_prompts(PROMPTS)
+    r = torch.randn_like(x)
+
+    def grads(mode, emb, w=W):
+        out = a.model_output(x, s, emb, w, mode)
+        return torch.autograd.grad((out * r).sum(), params, allow_unused=True)
+
+    # d/dθ [sg(u) + w (c - sg(u))] = w dc/dθ
+    g_det = grads("detach_uncond", e)
+    out_c = a.model_output(x, s, e, none_guidance(a), "none")
+    g_cond = torch.autograd.grad((W * out_c * r).sum(), params, allow_unused=True)
+    g_full = grads("full", e)
+    # (Qwen-Image: LoRA on the last block's text-stream output gets no gradient; that output is unused)
+    used = [i for i, g in enumerate(g_cond) if g is not None]
+    assert len(used) >= len(params) - 4 and [g is not None for g in g_det] == [g is not None for g in g_cond]
+    for i in used:
+        torch.testing.assert_close(g_det[i], g_cond[i], atol=1e-5, rtol=1e-4)
+    assert any(g_cond[i].abs().sum() > 0 for i in used)
+    assert any(not torch.allclose(g_full[i], g_det[i], atol=1e-6) for i in used)
+
+    # with respect to the inputs: the uncond embeddings get no gradient under detach_uncond
+    if family == "qwenimage":
+        a.cfg_renorm = True  # also with Qwen-Image's norm rescaling (its default)
+    for mode, uncond_gets_grad in (("detach_uncond", False), ("full", True)):
+        emb = e.to()
+        emb.cond = e.cond.clone().requires_grad_()
+        emb.uncond = e.uncond.clone().requires_grad_()
+        out = a.model_output(x, s, emb, W, mode)
+        gc, gu = torch.autograd.grad((out * r).sum(), [emb.cond, emb.uncond], allow_unused=True)
+        assert gc is not None and gc.abs().sum() > 0
+        assert (gu is not None and gu.abs().sum() > 0) == uncond_gets_grad
+
+
+def test_decode_range_and_shape(adapter):
+    x, _ = inputs(adapter)
+    with torch.no_grad():
+        img = adapter.decode(x)
+    assert img.shape == (2, 3, 32, 32) and img.dtype == torch.float32
+    assert img.min() >= 0 and img.max() <= 1
+
+
+@pytest.mark.parametrize("init", ["gaussian", "default"])
+def test_add_lora_trains_only_lora_and_starts_at_base(family, init):
+    a = build(family)
+    x, s = inputs(a)
+    e = a.encode_prompts(PROMPTS)
+    with torch.no_grad():
+        base = a.model_output(x, s, e, W, "full")
+    params = a.add_lora(rank=4, alpha=8, init=init)
+    trainable = [p for m in a.pipe.components.values() if isinstance(m, torch.nn.Module)
+                 for p in m.parameters() if p.requires_grad]  # fmt: skip
+    assert {id(p) for p in trainable} == {id(p) for p in params} and len(params) > 0
+    names = [n for n, p in a.denoiser.named_parameters() if p.requires_grad]
+    assert all(".lora_A." in n or ".lora_B." in n for n in names)
+    assert all(torch.count_nonzero(p) == 0 for n, p in a.denoiser.named_parameters() if ".lora_B." in n)
+    assert all(torch.count_nonzero(p) > 0 for n, p in a.denoiser.named_parameters() if ".lora_A." in n)
+    with torch.no_grad():
+        torch.testing.assert_close(a.model_output(x, s, e, W, "full"), base, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="init"):
+        a.add_lora(init="zeros", adapter_name="other")
+
+
+def test_reference_is_the_base_model(family):
+    a = build(family)
+    x, s = inputs(a)
+    e = a.encode_prompts(PROMPTS)
+    with torch.no_grad():
+        with a.reference():  # no adapter yet: a no-op
+            base = a.model_output(x, s, e, W, "full")
+        params = a.add_lora(rank=4)
+        for p in params:
+            p.add_(0.1 * torch.randn_like(p))
+        tuned = a.model_output(x, s, e, W, "full")
+        with a.reference():
+            ref = a.model_output(x, s, e, W, "full")
+        after = a.model_output(x, s, e, W, "full")
+    assert not torch.allclose(tuned, base, atol=1e-4)
+    torch.testing.assert_close(ref, base, atol=1e-6, rtol=0)
+    torch.testing.assert_close(after, tuned, atol=0, rtol=0)
+    assert all(p.requires_grad for p in params)  # peft's disable/enable toggles these; restored
+
+
+def test_lora_save_load_round_trip(family, tmp_path):
+    a = build(family)
+    params = a.add_lora(rank=4, alpha=2, init="default")
+    with torch.no_grad():
+        for p in params:
+            p.add_(0.1 * torch.randn_like(p))
+    path = a.save_lora(tmp_path / "lora")
+    assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").is_file()
+    b = build(family)
+    loaded = b.load_lora(path)
+    assert len(loaded) == len(params) and all(p.requires_grad and p.dtype == torch.float32 for p in loaded)
+    b.add_lora(rank=4, adapter_name="unused")  # loading again replaces "default", other adapters stay
+    b.load_lora(tmp_path / "lora" / "pytorch_lora_weights.safetensors")  # a file path works too
+    x, s = inputs(a)
+    e = a.encode_prompts(PROMPTS)
+    with torch.no_grad():
+        torch.testing.assert_close(b.model_output(x, s, e, W, "full"), a.model_output(x, s, e, W, "full"))
+    with pytest.raises(FileNotFoundError, match="nope"):
+        b.load_lora(tmp_path / "nope")
+
+
+def test_bf16_model_runs(family):
+    a = build(family, dtype=torch.bfloat16)
+    assert a.dtype == torch.bfloat16 and a.vae.dtype == torch.bfloat16
+    x, s = inputs(a)
+    e = a.encode_prompts(PROMPTS)
+    assert e.cond.dtype == torch.bfloat16
+    params = a.add_lora(rank=4)
+    assert all(p.dtype == torch.float32 for p in params)  # LoRA weights stay float32 on a bf16 base
+    for mode in ("full", "detach_uncond", "none"):
+        out = a.model_output(x, s, e, W, mode)
+        assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    (out * torch.randn_like(out)).sum().backward()
+    grads = [p.grad for p in params if p.grad is not None]
+    assert len(grads) >= len(params) - 4 and all(torch.isfinite(g).all() for g in grads)
+    with torch.no_grad():
+        img = a.decode(x)
+        ref = build(family).model_output(x, s, e.to(dtype=torch.float32), W, "none")
+    assert img.dtype == torch.float32 and 0 <= img.min() and img.max() <= 1
+    assert (out.detach() - ref).abs().mean() < 0.1 * ref.abs().mean()  # bf16 close to the fp32 model
+
+
+def test_bad_inputs_are_named():
+    a = build("sd3")
+    x, s = inputs(a)
+    e = a.encode_prompts(PROMPTS)
+    with pytest.raises(ValueError, match="cfg_mode"):
+        a.model_output(x, s, e, W, "half")
+    with pytest.raises(ValueError, match="rows"):
+        a.model_output(x[:1], s[:1], e, W)
+    with pytest.raises(ValueError, match="uncond"):
+        a.model_output(x, s, PromptEmbeds(cond=e.cond, pooled=e.pooled), W, "full")
+    with pytest.raises(ValueError, match="no LoRA adapter"):
+        a.save_lora("/tmp/never-written")
+    with pytest.raises(ValueError, match=r"valid: \['flux', 'qwenimage', 'sd15', 'sd3'\]"):
+        build_adapter("sdxl", tiny=True)
+    with pytest.raises(ValueError, match="exactly one"):
+        build_adapter("sd3")
+    with pytest.raises(ValueError, match="exactly one"):
+        build_adapter("sd3", pretrained="x/y", tiny=True)
