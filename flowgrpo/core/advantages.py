@@ -10,6 +10,7 @@ Sample-level estimators read the weighted sum of the reward heads unless they sa
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -17,6 +18,9 @@ from torch import Tensor
 from .contracts import AdvantageResult, GroupBatch
 from .registry import Registry
 from .stats import masked_count, masked_mean, masked_median, masked_std, whole_batch_std, zscore
+
+if TYPE_CHECKING:
+    from .config import AdvantageConfig
 
 ESTIMATORS = Registry("advantage estimator")
 

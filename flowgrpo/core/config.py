@@ -41,7 +41,9 @@ class PartSpec(BaseModel):
         if isinstance(data, str):
             return {"name": data}
         if isinstance(data, dict) and "settings" not in data:
-            return {"name": data.get("name"), "settings": {k: v for k, v in data.items() if k != "name"}}
+            own = set(cls.model_fields) - {"settings"}  # subclasses add fields of their own (weight, ...)
+            return {**{k: v for k, v in data.items() if k in own},
+                    "settings": {k: v for k, v in data.items() if k not in own}}
         return data
 
     def check(self, registry: Registry) -> "PartSpec":

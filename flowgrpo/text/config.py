@@ -10,10 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterable, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from ..config import load_config
-from ..core import AdvantageConfig, LossConfig, StrictModel
+from ..core import AdvantageConfig, LossConfig, PartSpec, StrictModel
 
 # Merged under every config file, key by key (a file only states what differs).
 DEFAULTS: dict[str, Any] = {
@@ -59,21 +59,8 @@ class ModelConfig(StrictModel):
     lora: LoraConfig = Field(default_factory=LoraConfig)
 
 
-class TaskConfig(BaseModel):
+class TaskConfig(PartSpec):
     """A built-in generated dataset: `name` plus the generator's settings (see flowgrpo.text.data.TASKS)."""
-
-    model_config = ConfigDict(extra="forbid")
-    name: str
-    settings: dict[str, Any] = Field(default_factory=dict)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _short_form(cls, data: Any) -> Any:
-        if isinstance(data, str):
-            return {"name": data}
-        if isinstance(data, dict) and "settings" not in data:
-            return {"name": data.get("name"), "settings": {k: v for k, v in data.items() if k != "name"}}
-        return data
 
 
 class DataConfig(StrictModel):
@@ -112,7 +99,7 @@ class GenerationConfig(StrictModel):
     mask_truncated: bool = False              # DAPO overlong filtering: truncated completions leave the loss
 
 
-class RewardSpec(BaseModel):
+class RewardSpec(PartSpec):
     """One reward function. `name` is a registered reward, or `module:function` / `path/file.py:function`.
 
     YAML: `target_pattern`, `{name: math_answer, weight: 1.0}`, or with settings
@@ -120,23 +107,11 @@ class RewardSpec(BaseModel):
     `columns` lists the dataset columns a user function needs (checked on every row at load time).
     """
 
-    model_config = ConfigDict(extra="forbid")
     name: str
     weight: float = 1.0
     columns: list[str] = Field(default_factory=list)
     alias: Optional[str] = None               # the name in the metrics (default: name)
     settings: dict[str, Any] = Field(default_factory=dict)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _short_form(cls, data: Any) -> Any:
-        if isinstance(data, str):
-            return {"name": data}
-        if isinstance(data, dict) and "settings" not in data:
-            own = {"name", "weight", "columns", "alias"}
-            return {**{k: v for k, v in data.items() if k in own},
-                    "settings": {k: v for k, v in data.items() if k not in own}}
-        return data
 
     @property
     def label(self) -> str:

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from _coreref import (FEW, SETTINGS, np64, random_rewards, ref_grpo, ref_step_z, ref_tree_depth,
+from _coreref import (SETTINGS, np64, random_rewards, ref_step_z, ref_tree_depth,
                       ref_turning_point_rewards, ref_value_anchored, t32, tb)
 from flowgrpo.core import AdvantageConfig, GroupBatch, TreeStructure, compute_advantages
 
