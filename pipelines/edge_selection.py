@@ -1,0 +1,72 @@
+"""BranchGRPO pruning: which edges of a rollout tree enter the backward pass.
+
+Pruning never changes sampling or rewards; it only removes edges from training. Each function returns
+a bool mask over the tree's nodes (the edge into node n is kept where the mask is True); combine them
+with `tree.edge_trained` by `&`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .rollout import RolloutTree
+
+
+def depth_pruning(tree: RolloutTree, depths: Sequence[int], iteration: int = 0,
+                  slide_interval: Optional[int] = None, stop_depth: Optional[int] = None) -> Tensor:
+    """Drop edges whose child depth is in `depths`.
+
+    With `slide_interval`, the pruned depths move one level shallower every `slide_interval` iterations,
+    never above `stop_depth` (default: 0).
+    """
+    if not depths:
+        return torch.ones(tree.num_nodes, dtype=torch.bool)
+    shift = 0
+    if slide_interval:
+        shift = min(iteration // slide_interval, min(depths) - (stop_depth or 0))
+    active = torch.tensor([d - max(shift, 0) for d in depths])
+    return ~torch.isin(tree.depth, active)
+
+
+def last_split_step(tree: RolloutTree) -> int:
+    """The last step at which some node has more than one continuing child (-1 for chains)."""
+    keep = (tree.parent >= 0) & tree.continues
+    children = torch.bincount(tree.parent[keep], minlength=tree.num_nodes)
+    branching = (children > 1).nonzero().squeeze(1)
+    return int(tree.depth[branching].max()) if branching.numel() else -1
+
+
+def width_pruning(tree: RolloutTree, node_advantage: Tensor, keep_ratio: float = 0.5, mode: int = 1) -> Tensor:
+    """Keep a fraction of the "last layer" edges (those after the last split) by advantage.
+
+    mode 1: within each group of edges that descend from the same child of the last split, keep the
+            top `keep_ratio` by advantage; mode 2: keep the best and the worst keep_ratio / 2 of all
+            last-layer edges of the batch. Other edges are kept.
+    """
+    if mode not in (1, 2):
+        raise ValueError(f"mode: expected 1 (per last-split child) or 2 (best and worst globally), got {mode}")
+    if not 0 < keep_ratio <= 1:
+        raise ValueError(f"keep_ratio must be in (0, 1], got {keep_ratio}")
+    split = last_split_step(tree)
+    last = (tree.edge_step > split) & tree.continues & (tree.parent >= 0)
+    keep = ~last
+    ids = last.nonzero().squeeze(1)
+    if ids.numel() == 0:
+        return keep
+    adv = node_advantage[ids].float()
+    if mode == 2:
+        n = math.ceil(ids.numel() * keep_ratio / 2)
+        order = torch.argsort(adv, descending=True, stable=True)
+        keep[ids[order[:n]]] = True
+        keep[ids[order[-n:]]] = True
+        return keep
+    group = tree.ancestors(ids)[:, split + 1]  # the last-split child each edge descends from
+    for g in torch.unique(group).tolist():  # groups are few (one per leaf chain); the ranking is vectorised
+        members = ids[group == g]
+        n = math.ceil(members.numel() * keep_ratio)
+        keep[members[torch.argsort(node_advantage[members].float(), descending=True, stable=True)[:n]]] = True
+    return keep
