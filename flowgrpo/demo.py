@@ -8,6 +8,7 @@ with a global normaliser and metrics all go through `flowgrpo.core`, exactly as 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -50,10 +51,9 @@ def _sample(logits: torch.Tensor, group: int, gen: torch.Generator) -> tuple[tor
     return tokens, mask
 
 
-def _token_logp(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log pi(token) for tokens [P, G, T] under per-prompt logits [P, T, V]."""
-    logp = torch.log_softmax(logits, -1).unsqueeze(1).expand(-1, tokens.shape[1], -1, -1)
-    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+def _token_logp(logits: torch.Tensor, tokens: torch.Tensor, prompt: torch.Tensor) -> torch.Tensor:
+    """log pi(token) for completion rows tokens [n, T] of prompts `prompt` [n], under logits [P, T, V]."""
+    return torch.log_softmax(logits, -1)[prompt].gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def run_demo(config: DemoConfig) -> list[dict]:
@@ -70,27 +70,25 @@ def run_demo(config: DemoConfig) -> list[dict]:
     with MetricsWriter(out / "metrics.jsonl") as writer:
         for iteration in bar:
             t0 = time.perf_counter()
+            N = config.prompts * config.group_size
+            prompt_of_row = torch.arange(N) // config.group_size
             with torch.no_grad():
                 tokens, mask = _sample(logits, config.group_size, gen)
-                logp_old = _token_logp(logits, tokens)
-                logp_ref = _token_logp(torch.zeros_like(logits), tokens)  # the initial policy
+                rows = tokens.reshape(N, -1)
+                logp_old = _token_logp(logits, rows, prompt_of_row)
+                logp_ref = _token_logp(torch.zeros_like(logits), rows, prompt_of_row)  # the initial policy
             hits = (tokens == target.view(-1, 1, 1)) & mask
             rewards = hits.sum(-1) / mask.sum(-1)
             adv = compute_advantages(GroupBatch(rewards=rewards.float()), config.advantage)
-            N = config.prompts * config.group_size
-            full = LossInputs(logp_old.reshape(N, -1), logp_old.reshape(N, -1), adv.advantages.reshape(N),
-                              mask.reshape(N, -1), sample_weight=adv.sample_weight.reshape(N),
-                              logp_ref=logp_ref.reshape(N, -1))
+            full = LossInputs(logp_old, logp_old, adv.advantages.reshape(N), mask.reshape(N, -1),
+                              sample_weight=adv.sample_weight.reshape(N), logp_ref=logp_ref)
             norm = LossNormalizer.from_inputs(full)
             record = {"iteration": iteration, **adv.metrics}
             for epoch in range(config.inner_epochs):
                 optimizer.zero_grad()
                 order = torch.randperm(N, generator=gen)
                 for chunk in order.chunk(config.micro_batches):
-                    logp = _token_logp(logits, tokens).reshape(N, -1)
-                    micro = LossInputs(logp[chunk], full.logp_old[chunk], full.advantages[chunk],
-                                       full.mask[chunk], sample_weight=full.sample_weight[chunk],
-                                       logp_ref=full.logp_ref[chunk])
+                    micro = replace(full.split(chunk), logp=_token_logp(logits, rows[chunk], prompt_of_row[chunk]))
                     result = policy_loss(micro, config.loss, norm)
                     result.loss.backward()
                     if epoch == 0 and "ratio_first_pass_max_dev" not in record:
@@ -98,7 +96,7 @@ def run_demo(config: DemoConfig) -> list[dict]:
                         record["ratio_first_pass_max_dev"] = max(abs(result.metrics["ratio/max"] - 1),
                                                                  abs(result.metrics["ratio/min"] - 1))
                 optimizer.step()
-            record.update({k: v for k, v in result.metrics.items()})
+            record.update(result.metrics)
             record["time_s"] = time.perf_counter() - t0
             writer.write(record)
             history.append(record)

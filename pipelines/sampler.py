@@ -191,14 +191,11 @@ class Sampler:
                 frontier = frontier.repeat_interleave(sp.branch)
                 frontier_prompt = frontier_prompt.repeat_interleave(sp.branch)
                 state = None
-            if name == "dpm2m":
-                out = step(name, x, v, schedule, i, state=state)
-                state = out.state
+            if sp.sde:
+                out = step(name, x, v, schedule, i, generator=generator, noise_scale=sp.noise_scale, **settings)
             else:
-                out = step(name, x, v, schedule, i, generator=generator,
-                           **({"noise_scale": sp.noise_scale} if sp.sde else {}), **settings)
-                state = None
-            x = out.x_next
+                out = self._deterministic_step(name, settings, x, v, schedule, i, state)
+            x, state = out.x_next, out.state
             frontier = nodes.add(frontier, i + 1, frontier_prompt, x, step_index=i, sde=sp.sde,
                                  trained=sp.trained and sp.sde, out=out, keep_mean=cfg.keep_means)
         tree = self._assemble(nodes, frontier, frontier_prompt, P, plan.num_steps, probe_ids, probe_latents)
@@ -214,10 +211,16 @@ class Sampler:
             v = self._forward(adapter, x, torch.full((x.shape[0],), i, dtype=torch.long), schedule, embeds,
                               prompt, self.config.cfg_mode, grad=False)
             name, settings = self._kernel(adapter, False, solver)
-            out = step(name, x, v, schedule, i, state=state, **settings) if name == "dpm2m" else \
-                step(name, x, v, schedule, i, **settings)
+            out = self._deterministic_step(name, settings, x, v, schedule, i, state)
             x, state = out.x_next, out.state
         return x
+
+    @staticmethod
+    def _deterministic_step(name: str, settings: dict, x, v, schedule, i: int, state) -> StepOutput:
+        """An ODE step; only the multistep solver takes (and returns) history."""
+        if name == "dpm2m":
+            return step(name, x, v, schedule, i, state=state)
+        return step(name, x, v, schedule, i, **settings)
 
     def _probe(self, adapter, x, v, i, schedule, embeds, prompt, plan: RolloutPlan) -> Tensor:
         if plan.one_step_probes:  # VGPO: one Euler jump, from the model output already computed

@@ -10,17 +10,15 @@ Sample-level estimators read the weighted sum of the reward heads unless they sa
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from dataclasses import replace
 
 import torch
 from torch import Tensor
 
+from .config import AdvantageConfig
 from .contracts import AdvantageResult, GroupBatch
 from .registry import Registry
 from .stats import masked_count, masked_mean, masked_median, masked_std, whole_batch_std, zscore
-
-if TYPE_CHECKING:
-    from .config import AdvantageConfig
 
 ESTIMATORS = Registry("advantage estimator")
 
@@ -381,12 +379,9 @@ def tree_depth(batch: GroupBatch, *, fusion: str = "mean", alpha: float = 1.0, e
 # --- the advantage stage ------------------------------------------------------------------------
 
 
-def compute_advantages(batch: GroupBatch, config: "AdvantageConfig | None" = None) -> AdvantageResult:
+def compute_advantages(batch: GroupBatch, config: AdvantageConfig | None = None) -> AdvantageResult:
     """Run the configured estimator and transforms on a batch, and measure what happened."""
-    from dataclasses import replace
-
-    from .config import AdvantageConfig
-    from .transforms import TRANSFORMS
+    from .transforms import TRANSFORMS  # transforms.py registers after this module's estimators
 
     config = config or AdvantageConfig()
     if batch.head_nan_policy != config.head_nan_policy:

@@ -2,17 +2,10 @@
 
 import pytest
 import torch
+from adapter_variants import VARIANTS
 
 from pipelines.adapters import ADAPTERS, Adapter, FluxAdapter, PromptEmbeds, build_adapter
 
-VARIANTS = {
-    "sd3": ("sd3", {}),
-    "sd3.5": ("sd3", {"qk_norm": True}),
-    "flux-dev": ("flux", {"guidance_embeds": True}),
-    "flux-schnell": ("flux", {"guidance_embeds": False}),
-    "sd15": ("sd15", {}),
-    "qwenimage": ("qwenimage", {}),
-}
 FAMILIES = ["sd3", "flux-dev", "sd15", "qwenimage"]  # one per family for the slower LoRA / grad / dtype tests
 PROMPTS = ["a red cat", "a blue dog"]
 W = 3.0

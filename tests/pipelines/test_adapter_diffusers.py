@@ -3,18 +3,11 @@ save_pretrained / from_pretrained round trips, and LoRA files that `load_lora_we
 
 import pytest
 import torch
+from adapter_variants import VARIANTS
 
 from pipelines.adapters import Adapter, build_adapter
 from pipelines.adapters.flux import pack, unpack
 
-VARIANTS = {
-    "sd3": ("sd3", {}),
-    "sd3.5": ("sd3", {"qk_norm": True}),
-    "flux-dev": ("flux", {"guidance_embeds": True}),
-    "flux-schnell": ("flux", {"guidance_embeds": False}),
-    "sd15": ("sd15", {}),
-    "qwenimage": ("qwenimage", {}),
-}
 STEPS = 3
 
 
