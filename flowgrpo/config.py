@@ -68,18 +68,27 @@ def deep_merge(base: dict, update: dict) -> dict:
     return out
 
 
+def read_yaml_config(p: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A YAML mapping; a top-level `base: other.yaml` (relative to this file) is read first, then this file over it."""
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    if p.resolve() in _seen:
+        raise ConfigError(f"{p}: `base` chain loops back to itself")
+    loaded = parse_yaml(p.read_text()) or {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{p}: expected a mapping at the top level, got {type(loaded).__name__}")
+    base = loaded.pop("base", None)
+    if base is None:
+        return loaded
+    return deep_merge(read_yaml_config(p.parent / str(base), (*_seen, p.resolve())), loaded)
+
+
 def load_config(model: Type[M], path: Optional[str | Path] = None, overrides: Iterable[str] = (),
                 defaults: Optional[dict] = None) -> M:
     """Build `model` from defaults, then a YAML file, then overrides (each merged key by key)."""
     data: dict[str, Any] = deep_merge({}, defaults or {})
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        loaded = parse_yaml(p.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{p}: expected a mapping at the top level, got {type(loaded).__name__}")
-        data = deep_merge(data, loaded)
+        data = deep_merge(data, read_yaml_config(Path(path)))
     for item in overrides:
         apply_override(data, item)
     try:

@@ -38,3 +38,34 @@ class MetricsWriter:
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+class LossMetrics:
+    """Loss-part metrics over micro-batches: action-weighted means, min / max of extremes, summed losses."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.weights: dict[str, float] = {}
+        self.mins: dict[str, float] = {}
+        self.maxs: dict[str, float] = {}
+
+    def add(self, metrics: dict[str, float], actions: int) -> None:
+        for k, v in metrics.items():
+            if k.endswith("/min"):
+                self.mins[k] = min(self.mins.get(k, math.inf), v)
+            elif k.endswith("/max"):
+                self.maxs[k] = max(self.maxs.get(k, -math.inf), v)
+            elif k.startswith("loss/"):
+                self.sums[k] = self.sums.get(k, 0.0) + v  # each micro-batch's loss is already globally normalised
+            else:
+                self.sums[k] = self.sums.get(k, 0.0) + v * actions
+                self.weights[k] = self.weights.get(k, 0.0) + actions
+
+    def result(self, optimizer_steps: int) -> dict[str, float]:
+        out: dict[str, float] = {**self.mins, **self.maxs}
+        for k, v in self.sums.items():
+            if k.startswith("loss/"):
+                out[k] = v / max(optimizer_steps, 1)
+            else:
+                out[k] = v / self.weights[k] if self.weights[k] else math.nan
+        return out

@@ -105,3 +105,29 @@ class RolloutTree:
         logp[self.prompt, local] = torch.nan_to_num(self.edge_logp, nan=0.0)
         return TreeStructure(parent=parent, depth=depth, leaf_index=local[self.leaves], node_valid=valid,
                              edge_logp=logp), local
+
+
+def concat_trees(trees: list[RolloutTree]) -> RolloutTree:
+    """One tree of several rollouts of disjoint prompt batches (prompt indices are offset in order)."""
+    if len(trees) == 1:
+        return trees[0]
+    node_off, prompt_off = 0, 0
+    parts: dict[str, list] = {k: [] for k in ("parent", "prompt", "leaves", "probe_nodes")}
+    for t in trees:
+        parts["parent"].append(torch.where(t.parent >= 0, t.parent + node_off, t.parent))
+        parts["prompt"].append(t.prompt + prompt_off)
+        parts["leaves"].append(t.leaves + node_off)
+        parts["probe_nodes"].append(t.probe_nodes + node_off)
+        node_off += t.num_nodes
+        prompt_off += t.num_prompts
+    cat = lambda name: torch.cat([getattr(t, name) for t in trees])  # noqa: E731
+    probes = [t.probe_latents for t in trees if t.probe_latents is not None]
+    counters = {k: sum(t.counters.get(k, 0.0) for t in trees) for k in trees[0].counters}
+    return RolloutTree(
+        parent=torch.cat(parts["parent"]), depth=cat("depth"), prompt=torch.cat(parts["prompt"]),
+        continues=cat("continues"), states=cat("states"), edge_step=cat("edge_step"), edge_sde=cat("edge_sde"),
+        edge_trained=cat("edge_trained"), edge_logp=cat("edge_logp"), edge_std=cat("edge_std"),
+        edge_mean=cat("edge_mean") if trees[0].edge_mean is not None else None,
+        leaves=torch.cat(parts["leaves"]), probe_nodes=torch.cat(parts["probe_nodes"]),
+        probe_latents=torch.cat(probes) if probes else None, num_steps=trees[0].num_steps,
+        counters=counters, schedule=trees[0].schedule)

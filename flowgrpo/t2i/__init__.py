@@ -1,0 +1,14 @@
+"""Text-to-image RL: one loop (trainer), recipes as configs (configs/), methods as small functions.
+
+    from flowgrpo.t2i import load_t2i_config, train_t2i
+    history = train_t2i(load_t2i_config("configs/t2i/tiny/flow_grpo.yaml", ["optim.lr=0"]))
+
+Modules: config (typed config, cross checks), data (prompt sets), model (adapter + LoRA / full, KL
+reference), rewards (async scoring), credit (rewards -> per-edge advantages), objectives (edge loss),
+nft (DiffusionNFT objective), adversarial (Adv-GRPO discriminator), distributed, artifacts, trainer.
+"""
+
+from .config import DEFAULTS, T2IConfig, load_t2i_config
+from .trainer import OnPolicyRatioWarning, T2ITrainer, train_t2i
+
+__all__ = ["DEFAULTS", "OnPolicyRatioWarning", "T2IConfig", "T2ITrainer", "load_t2i_config", "train_t2i"]

@@ -1,0 +1,235 @@
+"""The typed config of the text-to-image trainer: embedded defaults, a YAML recipe, key=value overrides.
+
+Every section is strict (an unknown key names itself and the valid ones). Cross-section checks run
+here, before any model is loaded, so an impossible combination fails in a second with its reason.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable, Literal, Optional
+
+from pydantic import Field, model_validator
+
+from ..config import load_config
+from ..core import AdvantageConfig, LossConfig, PartSpec, StrictModel
+from ..core.advantages import ESTIMATORS
+from ..text.config import CheckpointConfig, OptimConfig, RatioCheckConfig
+from pipelines.plans import PLANS
+from pipelines.sampler import SamplerConfig
+
+DEFAULTS: dict[str, Any] = {
+    "advantage": {"estimator": {"name": "grpo", "unbiased": False}, "transforms": [{"name": "clip", "max": 5.0}]},
+    "loss": {"preset": "flow_grpo"},
+    "optim": {"lr": 3e-4, "max_grad_norm": 1.0},
+}
+
+# Estimators whose advantages are per step ([P, G, T]) and the rollout plan each needs.
+STEP_ESTIMATOR_PLANS = {"turning_point": "probes", "value_anchored": "probes", "sibling": "branch_points"}
+# Loss parts that treat a row as a sequence: an image action (one transition) is its own row here.
+SEQUENCE_PARTS = {"sequence", "sequence_token"}
+
+
+class LoraSettings(StrictModel):
+    rank: int = Field(8, ge=1)
+    alpha: Optional[float] = None             # None: = rank
+    init: Literal["gaussian", "default"] = "gaussian"
+    target_modules: Optional[list[str]] = None  # None: the family's published targets
+
+
+class ModelConfig(StrictModel):
+    family: str = "sd3"                       # sd3 | flux | sd15 | qwenimage
+    pretrained: Optional[str] = None          # a local diffusers pipeline folder or a hub id
+    tiny: bool = False                        # random tiny weights (tests, CPU demos)
+    tiny_options: dict[str, Any] = Field(default_factory=dict)  # qk_norm, guidance_embeds, ...
+    init_seed: int = 0                        # tiny weights depend on this only, not on the run's seed
+    options: dict[str, Any] = Field(default_factory=dict)  # from_pretrained kw (variant, max_sequence_length ...)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # frozen weights; step maths is always fp32
+    device: str = "auto"
+    finetune: Literal["lora", "full"] = "lora"
+    lora: LoraSettings = Field(default_factory=LoraSettings)
+    init_lora: Optional[str] = None           # start from a saved LoRA folder / file
+
+    @model_validator(mode="after")
+    def _source(self) -> "ModelConfig":
+        if self.tiny == (self.pretrained is not None):
+            raise ValueError("model: set exactly one of `pretrained: <path or hub id>` or `tiny: true`")
+        if self.finetune == "full" and self.dtype != "float32":
+            raise ValueError("model: full fine-tuning keeps float32 master weights; use dtype float32 "
+                             "(mixed precision is for LoRA over a low-precision base)")
+        return self
+
+
+class DataConfig(StrictModel):
+    prompts: Optional[list[str]] = None       # inline prompts, or
+    path: Optional[str] = None                # a .txt (one per line) or .jsonl ({"prompt": ..., metadata})
+    eval_prompts: Optional[list[str]] = None
+    eval_path: Optional[str] = None
+    shuffle: bool = True
+    negative_prompt: str = ""
+
+    @model_validator(mode="after")
+    def _one(self) -> "DataConfig":
+        if (self.prompts is None) == (self.path is None):
+            raise ValueError("data: set exactly one of `prompts: [...]` or `path: file.txt|.jsonl`")
+        return self
+
+
+class RewardConfig(PartSpec):
+    """A scorer by registry name with its settings, its weight and an optional metrics alias."""
+
+    weight: float = 1.0
+    alias: Optional[str] = None
+
+    @property
+    def label(self) -> str:
+        return self.alias or self.name
+
+
+class EdgeConfig(StrictModel):
+    """Which stored transitions enter the loss (sampling and rewards are never changed by this)."""
+
+    depth_pruning: Optional[list[int]] = None  # BranchGRPO: node depths whose edges are not trained
+    depth_pruning_slide_every: Optional[int] = None  # pruned depths move one level up every k iterations
+    width_pruning: Optional[float] = None      # BranchGRPO: keep ratio of the last split's children
+    width_pruning_mode: Literal[1, 2] = 1
+    drop_zero_advantage: bool = True           # edges with A = 0 add no gradient (unless KL is on)
+
+
+class TrainConfig(StrictModel):
+    inner_epochs: int = Field(1, ge=1)        # passes over each rollout batch
+    mini_batches: int = Field(1, ge=1)        # optimizer steps per pass, each with one global normaliser
+    micro_batch_size: int = Field(16, ge=1)   # edges (or NFT samples) per forward / backward
+    shuffle: bool = True
+
+
+class EMAConfig(StrictModel):
+    enabled: bool = True
+    decay: float = Field(0.9, ge=0, le=1)
+    update_every: int = Field(1, ge=1)        # optimizer steps between EMA updates
+
+
+class NFTConfig(StrictModel):
+    """DiffusionNFT: forward-process objective against an old policy kept as a second LoRA adapter."""
+
+    beta: float = Field(1.0, gt=0)            # implicit-policy step (0.1 for OCR / multi-reward)
+    adv_max: float = Field(5.0, gt=0)         # A -> r = clip(A / adv_max / 2 + 0.5, 0, 1)
+    timestep_fraction: float = Field(0.99, gt=0, le=1)
+    decay: Literal["on_policy", "linear", "delayed"] = "linear"  # old <- lambda old + (1 - lambda) new
+    kl_coef: float = 0.0                      # beta_KL * |v - v_ref|^2 (0.0001 in the release)
+
+
+class AdversarialConfig(StrictModel):
+    """Adv-GRPO: a discriminator reward trained alongside the policy, reference images as positives."""
+
+    enabled: bool = False
+    reward: str = "discriminator"             # the `rewards[].alias or name` that is trained
+    references: Optional[str] = None          # folder of reference images (all prompts), or
+    reference_generator: Optional[Literal["bright", "dark"]] = None  # synthetic references (tests, demos)
+    d_times: int = Field(10, ge=2)            # D updates on iterations with (it + 1) % d_times != 0
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.5, 0.999)
+
+    @model_validator(mode="after")
+    def _refs(self) -> "AdversarialConfig":
+        if self.enabled and (self.references is None) == (self.reference_generator is None):
+            raise ValueError("adversarial: set exactly one of `references: <folder>` or `reference_generator`")
+        return self
+
+
+class EvalConfig(StrictModel):
+    every: int = Field(0, ge=0)               # iterations between evaluations; 0 = off
+    num_steps: Optional[int] = None           # ODE steps (default: the sampler's)
+    images_per_prompt: int = Field(1, ge=1)
+    use_ema: bool = True
+    seed: int = 1234                          # the same noise at every evaluation
+
+
+class ArtifactsConfig(StrictModel):
+    grid_every: int = Field(0, ge=0)          # sample grids of the rollout every k iterations (0: first and last)
+    grid_images: int = Field(16, ge=1)
+    plot: bool = True                         # reward_curve.png at the end
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "flowgrpo"
+    save_lora: bool = True                    # final LoRA in diffusers format (load_lora_weights reads it)
+
+
+class T2IConfig(StrictModel):
+    seed: int = 0
+    output_dir: str = "outputs/t2i"
+    iterations: int = Field(20, ge=0)
+    stop_after: Optional[int] = None          # stop here as if interrupted; resume continues to `iterations`
+    method: Literal["grpo", "nft"] = "grpo"
+    model: ModelConfig = Field(default_factory=lambda: ModelConfig(tiny=True))
+    data: DataConfig = Field(default_factory=lambda: DataConfig(prompts=["a photo of a cat"]))
+    sampler: SamplerConfig = Field(default_factory=SamplerConfig)
+    plan: PartSpec = Field(default_factory=lambda: PartSpec(name="full_sde"))
+    group_size: int = Field(8, ge=2)
+    prompts_per_iteration: int = Field(2, ge=1)
+    rollout_prompts: int = Field(1, ge=1)     # prompts per rollout batch (its rewards overlap the next batch)
+    rewards: list[RewardConfig] = Field(default_factory=lambda: [RewardConfig(name="brightness")])
+    reward_workers: int = Field(2, ge=1)
+    advantage: AdvantageConfig = Field(default_factory=lambda: AdvantageConfig(**DEFAULTS["advantage"]))
+    loss: LossConfig = Field(default_factory=lambda: LossConfig(**DEFAULTS["loss"]))
+    edges: EdgeConfig = Field(default_factory=EdgeConfig)
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(**DEFAULTS["optim"]))
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    ema: EMAConfig = Field(default_factory=EMAConfig)
+    nft: NFTConfig = Field(default_factory=NFTConfig)
+    adversarial: AdversarialConfig = Field(default_factory=AdversarialConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    artifacts: ArtifactsConfig = Field(default_factory=ArtifactsConfig)
+    ratio_check: RatioCheckConfig = Field(default_factory=RatioCheckConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    resume: bool = False
+    progress: bool = True
+    num_threads: Optional[int] = None
+    deterministic: bool = False
+
+    @model_validator(mode="after")
+    def _combinations(self) -> "T2IConfig":
+        self.plan.check(PLANS)
+        if not self.rewards:
+            raise ValueError("rewards: at least one scorer is needed")
+        labels = [r.label for r in self.rewards]
+        dup = sorted({x for x in labels if labels.count(x) > 1})
+        if dup:
+            raise ValueError(f"rewards: duplicate names {dup}; give each an `alias`")
+        if self.prompts_per_iteration % self.rollout_prompts:
+            raise ValueError(f"prompts_per_iteration ({self.prompts_per_iteration}) must be a multiple of "
+                             f"rollout_prompts ({self.rollout_prompts})")
+        est = self.advantage.estimator.name
+        plan = self.plan.name
+        needs = STEP_ESTIMATOR_PLANS.get(est)
+        if needs and plan != needs:
+            raise ValueError(f"advantage estimator '{est}' needs per-step rewards from the '{needs}' plan, "
+                             f"not '{plan}'")
+        if plan == "tree" and est != "tree_depth" and self.method == "grpo":
+            raise ValueError("plan 'tree' shares edges between samples: it needs the node-level estimator "
+                             f"'tree_depth', not '{est}'")
+        if plan in ("branch_points", "probes") and not needs and self.method == "grpo":
+            raise ValueError(f"plan '{plan}' trains on probe / side-branch rewards: use estimator "
+                             f"{[k for k, v in STEP_ESTIMATOR_PLANS.items() if v == plan]}")
+        if (self.edges.depth_pruning or self.edges.width_pruning) and plan != "tree":
+            raise ValueError("edges: depth / width pruning are BranchGRPO options for the 'tree' plan")
+        for part in ("ratio", "aggregation"):
+            if getattr(self.loss, part).name in SEQUENCE_PARTS:
+                raise ValueError(f"loss.{part} '{getattr(self.loss, part).name}' treats a row as a sequence of "
+                                 "tokens; image actions are single transitions (use a token-level part)")
+        if self.method == "nft":
+            if self.model.finetune != "lora":
+                raise ValueError("method 'nft' keeps the old policy as a second LoRA adapter: finetune must be 'lora'")
+            if plan not in ("ode_only", "full_sde", "window"):
+                raise ValueError(f"method 'nft' trains on clean samples only; plan '{plan}' has no meaning for it")
+            if self.sampler.cfg_mode != "none":
+                raise ValueError("method 'nft' is CFG-free: set sampler.cfg_mode none")
+        if self.adversarial.enabled and self.adversarial.reward not in labels:
+            raise ValueError(f"adversarial.reward '{self.adversarial.reward}' is not among rewards {labels}")
+        ESTIMATORS.get(est)
+        return self
+
+
+def load_t2i_config(path: Optional[str | Path] = None, overrides: Iterable[str] = ()) -> T2IConfig:
+    """YAML recipe + key=value overrides over the embedded defaults."""
+    return load_config(T2IConfig, path, overrides, defaults=DEFAULTS)

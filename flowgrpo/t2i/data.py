@@ -1,0 +1,58 @@
+"""Prompt sets: inline lists, a .txt file (one prompt per line) or a .jsonl file (prompt + metadata)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from ..config import ConfigError
+
+
+@dataclass
+class PromptSet:
+    prompts: list[str]
+    metadata: list[dict[str, Any]] = field(default_factory=list)  # one dict per prompt (may be empty)
+
+    def __post_init__(self) -> None:
+        if not self.metadata:
+            self.metadata = [{} for _ in self.prompts]
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def take(self, index: list[int]) -> "PromptSet":
+        return PromptSet([self.prompts[i] for i in index], [self.metadata[i] for i in index])
+
+
+def load_prompt_set(prompts: Optional[list[str]], path: Optional[str], what: str = "data") -> Optional[PromptSet]:
+    """Inline prompts or a file; None when neither is given."""
+    if prompts is not None:
+        if not prompts or not all(isinstance(p, str) and p for p in prompts):
+            raise ConfigError(f"{what}: prompts must be a non-empty list of non-empty strings")
+        return PromptSet(list(prompts))
+    if path is None:
+        return None
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"{what}: prompt file '{path}' does not exist")
+    if file.suffix == ".jsonl":
+        rows, metas = [], []
+        for n, line in enumerate(file.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ConfigError(f"{what}: {path} line {n} is not JSON: {err}") from None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                raise ConfigError(f"{what}: {path} line {n} needs a string field 'prompt'")
+            rows.append(row.pop("prompt"))
+            metas.append(row)
+        out = PromptSet(rows, metas)
+    else:
+        out = PromptSet([line.strip() for line in file.read_text().splitlines() if line.strip()])
+    if not out.prompts:
+        raise ConfigError(f"{what}: prompt file '{path}' has no prompts")
+    return out

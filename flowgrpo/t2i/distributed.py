@@ -1,0 +1,104 @@
+"""Data parallelism over rollout batches, identical in result to one process with the same global batch.
+
+Rollout batch c (a fixed set of prompts with its own noise seed) runs on rank c % world_size, so a
+sample's noise never depends on the number of processes. Rewards are gathered per batch, so every rank
+computes the same advantages over the whole batch (group and batch statistics are global). The trained
+edges keep their global order; each rank back-propagates the edges of its own batches with the global
+loss normaliser, and gradients are summed over ranks before the optimizer step. Launched by
+`accelerate launch` / torchrun (env RANK, WORLD_SIZE, MASTER_ADDR); gloo on CPU, nccl on GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+class Distributed:
+    def __init__(self, rank: int = 0, world_size: int = 1):
+        self.rank, self.world_size = rank, world_size
+
+    @classmethod
+    def from_environment(cls) -> "Distributed":
+        import torch.distributed as dist
+
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            return cls()
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        return cls(dist.get_rank(), dist.get_world_size())
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1
+
+    def my_chunks(self, n_chunks: int) -> list[int]:
+        return [c for c in range(n_chunks) if c % self.world_size == self.rank]
+
+    # --- collectives ---------------------------------------------------------------------------
+
+    def _gather_chunks(self, local: Tensor, n_chunks: int) -> Tensor:
+        """[n_local, ...] per rank -> [n_chunks, ...] in global batch order."""
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(parts, local.contiguous())
+        return torch.stack([parts[c % self.world_size][c // self.world_size] for c in range(n_chunks)])
+
+    def gather_chunks(self, per_chunk: list[Optional[Tensor]], n_chunks: int) -> Optional[Tensor]:
+        """Concatenate per-batch tensors of every rank in global order (None stays None)."""
+        if per_chunk[0] is None:
+            return None
+        if not self.active:
+            return torch.cat(per_chunk)
+        stacked = self._gather_chunks(torch.stack(per_chunk), n_chunks)
+        return stacked.flatten(0, 1)
+
+    def all_reduce_grads(self, params: list[torch.nn.Parameter]) -> None:
+        if not self.active:
+            return
+        import torch.distributed as dist
+
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        dist.all_reduce(flat)
+        offset = 0
+        for p, g in zip(params, grads):
+            n = g.numel()
+            p.grad = flat[offset:offset + n].view_as(p).to(p.dtype)
+            offset += n
+
+    def reduce_normalizer(self, norm):
+        return norm.all_reduce() if self.active else norm
+
+    def sum(self, value: float) -> float:
+        if not self.active:
+            return value
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t)
+
+    def barrier(self) -> None:
+        if self.active:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    # --- global <-> local edge ids -------------------------------------------------------------
+
+    def localize(self, global_nodes: Tensor, nodes_per_chunk: int) -> tuple[Tensor, Tensor]:
+        """(mask of the global ids this rank owns, their ids in this rank's concatenated tree)."""
+        chunk = global_nodes // nodes_per_chunk
+        mine = chunk % self.world_size == self.rank
+        local = (chunk // self.world_size) * nodes_per_chunk + global_nodes % nodes_per_chunk
+        return mine, local[mine]

@@ -1,0 +1,83 @@
+"""The policy: a model-family adapter with LoRA (or all denoiser weights) trainable, and its references."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Iterator
+
+import torch
+
+from .config import ModelConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def build_policy(cfg: ModelConfig):
+    """(adapter, trainable parameters). Frozen weights in cfg.dtype; LoRA weights in float32."""
+    from pipelines.adapters import build_adapter
+
+    device = resolve_device(cfg.device)
+    dtype = DTYPES[cfg.dtype]
+    if cfg.tiny:
+        adapter = build_adapter(cfg.family, tiny=True, seed=cfg.init_seed, dtype=dtype, device=device,
+                                **cfg.tiny_options)
+    else:
+        adapter = build_adapter(cfg.family, pretrained=cfg.pretrained, dtype=dtype, device=device, **cfg.options)
+    if cfg.finetune == "full":
+        params = list(adapter.denoiser.parameters())
+        for p in params:
+            p.requires_grad_(True)
+        return adapter, params
+    if cfg.init_lora:
+        params = adapter.load_lora(cfg.init_lora)
+    else:
+        params = adapter.add_lora(rank=cfg.lora.rank, alpha=cfg.lora.alpha, init=cfg.lora.init,
+                                  target_modules=cfg.lora.target_modules)
+    return adapter, params
+
+
+class FrozenCopyReference:
+    """KL reference for full fine-tuning: a frozen copy of the initial denoiser, swapped in on demand."""
+
+    def __init__(self, adapter):
+        self.adapter = adapter
+        self.frozen = copy.deepcopy(adapter.denoiser).requires_grad_(False).eval()
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator:
+        name = self.adapter.denoiser_name
+        live = getattr(self.adapter.pipe, name)
+        setattr(self.adapter.pipe, name, self.frozen)
+        try:
+            yield self.adapter
+        finally:
+            setattr(self.adapter.pipe, name, live)
+
+
+def reference_context(adapter, cfg: ModelConfig, needed: bool):
+    """A context manager giving the reference policy: LoRA disabled, or a frozen copy when fully tuned."""
+    if not needed:
+        return None
+    if cfg.finetune == "full":
+        return FrozenCopyReference(adapter)
+    return adapter.reference
+
+
+@contextlib.contextmanager
+def active_lora(adapter, name: str) -> Iterator:
+    """Run with LoRA adapter `name` active (DiffusionNFT's old policy), restoring trainability after."""
+    flags = [(p, p.requires_grad) for p in adapter.denoiser.parameters()]
+    adapter.denoiser.set_adapter(name)
+    try:
+        yield adapter
+    finally:
+        adapter.denoiser.set_adapter("default")
+        for p, flag in flags:
+            p.requires_grad_(flag)
