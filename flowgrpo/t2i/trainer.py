@@ -72,6 +72,9 @@ class T2ITrainer:
         self.out = Path(cfg.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.out / "checkpoints"
+        if not cfg.resume and latest_checkpoint(self.ckpt_dir) is not None:
+            raise ConfigError(f"{self.ckpt_dir} holds checkpoints of an earlier run: set resume=true to continue "
+                              "it, or choose another output_dir (nothing was overwritten)")
 
         self.prompts = load_prompt_set(cfg.data.prompts, cfg.data.path)
         self.eval_prompts = load_prompt_set(cfg.data.eval_prompts, cfg.data.eval_path, "data (eval)") \

@@ -90,7 +90,10 @@ class Adapter(abc.ABC):
     default_max_sequence_length: ClassVar[int] = 256
     options: ClassVar[tuple[str, ...]] = ("max_sequence_length", "prompt_cache_size")  # constructor kw
     tiny_max_sequence_length: ClassVar[int] = 16  # = the tiny tokenizers' length
-    encode_batch_size: ClassVar[int] = 64  # new prompts are encoded in chunks of this many
+    # New prompts are encoded one at a time: text encoders' pooled outputs change in the last bits with
+    # the batch they are encoded in, and a prompt's embedding must not depend on which prompts came
+    # before it (exact resume; the same rollout whatever the cache held). Each prompt is encoded once.
+    encode_batch_size: ClassVar[int] = 1
 
     def __init__(self, pipe: Any, *, max_sequence_length: int | None = None, prompt_cache_size: int = 256):
         self.pipe = pipe
