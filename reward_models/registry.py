@@ -24,6 +24,13 @@ _BUILTIN_MODULES = (
     "reward_models.pairwise",
     "reward_models.multi",
     "reward_models.remote",
+    "reward_models.hpsv2",
+    "reward_models.imagereward",
+    "reward_models.prompt_echo",
+    "reward_models.ocr",
+    "reward_models.vlm_judge",
+    "reward_models.geneval",
+    "reward_models.adversarial",
 )
 KINDS = ("pointwise", "pairwise")
 

@@ -12,6 +12,7 @@ training for hours, and turned failures into silent zeros):
   gives NaN rows and counts counters["bad_responses"];
 - a health check (GET /health) runs before the first request and tells the client which prompts
   and metadata the server's scorer needs.
+HttpClient is that transport on its own; the VLM judge and the GenEval detector client reuse it.
 Standard library only (urllib).
 """
 
@@ -20,10 +21,12 @@ from __future__ import annotations
 import http.client
 import json
 import random
+import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections import Counter
 from typing import Sequence
 
 import torch
@@ -41,8 +44,114 @@ class RemoteRewardError(RuntimeError):
     """The reward server could not be reached, or gave an answer that cannot be used."""
 
 
-class _FinalAnswer(Exception):
+class HTTPStatusError(Exception):
     """A non-retryable HTTP status: the server answered, and the answer is an error."""
+
+    def __init__(self, status: int, detail: str):
+        super().__init__(f"HTTP {status}: {detail}")
+        self.status, self.detail = status, detail
+
+
+
+class HttpClient:
+    """Bounded, retrying HTTP for every remote scorer (reward servers, VLM judges, detectors).
+
+    send() makes at most max_attempts attempts, each with a timeout (timeout_s bounds the connect
+    and each socket read), within deadline_s in total when set. Transport errors and
+    retry_statuses are retried after a capped exponential backoff with jitter; any other HTTP
+    error status raises HTTPStatusError at once (the server's final answer); running out of
+    attempts or time raises RemoteRewardError naming the URL, the attempts, the time and the last
+    error. Counters go to the `counters` given (the owning scorer's), under a lock, so one client
+    may serve a pool of threads. A `stop` event ends waiting and retrying early: a batch whose
+    first request found the server down does not wait out every other request's retries.
+    Standard library only (urllib).
+    """
+
+    def __init__(self, url: str, *, timeout_s: float = 120.0, max_attempts: int = 4, backoff_s: float = 0.5,
+                 max_backoff_s: float = 10.0, deadline_s: float | None = None,
+                 retry_statuses: Sequence[int] = RETRY_STATUSES, seed: int | None = None,
+                 headers: dict[str, str] | None = None, counters: Counter | None = None,
+                 what: str = "reward server"):
+        parsed = urllib.parse.urlparse(url)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ValueError(f"{what} url must be http(s)://host[:port], got {url!r}")
+        if int(max_attempts) < 1 or not timeout_s > 0:
+            raise ValueError("max_attempts must be >= 1 and timeout_s > 0")
+        self.url = url.rstrip("/")
+        self.timeout_s, self.max_attempts = float(timeout_s), int(max_attempts)
+        self.backoff_s, self.max_backoff_s = float(backoff_s), float(max_backoff_s)
+        self.deadline_s = None if deadline_s is None else float(deadline_s)
+        self.retry_statuses = frozenset(int(s) for s in retry_statuses)
+        self.headers = dict(headers or {})
+        self.counters = counters if counters is not None else Counter()
+        self.what = what
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+        # Loopback never goes through an environment proxy; other hosts follow the environment.
+        handlers = [urllib.request.ProxyHandler({})] if parsed.hostname in _LOOPBACK else []
+        self._opener = urllib.request.build_opener(*handlers)
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    def backoff(self, attempt: int) -> float:
+        """Wait before attempt+1: capped exponential, times a jitter in [0.5, 1) so clients that
+        failed together do not retry together."""
+        return min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1)) * self._rng.uniform(0.5, 1.0)
+
+    def send(self, method: str, path: str, body: bytes | None = None, *,
+             stop: threading.Event | None = None) -> bytes:
+        url = self.url + path
+        start = time.monotonic()
+        deadline = start + self.deadline_s if self.deadline_s is not None else float("inf")
+        last, attempts = "no attempt made (deadline_s too small)", 0
+        self.count("requests")
+        headers = dict(self.headers)
+        if body:
+            headers["Content-Type"] = "application/json"
+        while attempts < self.max_attempts:
+            if stop is not None and stop.is_set():
+                last = f"stopped: another request of the batch failed; before that: {last}"
+                break
+            timeout = min(self.timeout_s, deadline - time.monotonic())
+            if timeout <= 0:
+                break
+            attempts += 1
+            self.count("attempts")
+            request = urllib.request.Request(url, data=body, method=method, headers=headers)
+            try:
+                with self._opener.open(request, timeout=timeout) as response:
+                    return response.read()
+            except urllib.error.HTTPError as e:
+                detail = _error_detail(e)
+                if e.code not in self.retry_statuses:
+                    raise HTTPStatusError(e.code, detail) from None
+                last = f"HTTP {e.code}: {detail}"
+            except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+                reason = getattr(e, "reason", e)
+                last = f"{type(reason).__name__}: {reason}"
+            if attempts < self.max_attempts:
+                wait = min(self.backoff(attempts), deadline - time.monotonic())
+                if wait <= 0:
+                    break
+                self.count("retries")
+                if stop is not None:
+                    stop.wait(wait)
+                else:
+                    time.sleep(wait)
+        self.count("unreachable")
+        raise RemoteRewardError(
+            f"{self.what} {url} failed: {attempts} attempt(s) in {time.monotonic() - start:.1f}s "
+            f"(timeout {self.timeout_s:g}s each); last error: {last}")
+
+    def get_json(self, path: str, **kwargs):
+        """GET path and parse JSON (ValueError on a non-JSON body)."""
+        return json.loads(self.send("GET", path, **kwargs))
+
+    def post_json(self, path: str, payload, **kwargs):
+        """POST a JSON payload (no NaN) and parse the JSON answer (ValueError on a non-JSON body)."""
+        return json.loads(self.send("POST", path, json.dumps(payload, allow_nan=False).encode(), **kwargs))
 
 
 class RemoteScorer(Scorer):
@@ -53,27 +162,17 @@ class RemoteScorer(Scorer):
                  retry_statuses: Sequence[int] = RETRY_STATUSES, on_bad_response: str = "raise",
                  health_check: bool = True, batch_size: int = 16, key: str | None = None, seed: int | None = None):
         super().__init__(batch_size=batch_size, key=key)
-        parsed = urllib.parse.urlparse(url)
-        if parsed.scheme not in ("http", "https") or not parsed.hostname:
-            raise ValueError(f"reward server url must be http(s)://host[:port], got {url!r}")
         if on_bad_response not in BAD_RESPONSE_POLICIES:
             raise ValueError(f"on_bad_response must be one of {BAD_RESPONSE_POLICIES}, got {on_bad_response!r}")
-        if int(max_attempts) < 1 or not timeout_s > 0:
-            raise ValueError("max_attempts must be >= 1 and timeout_s > 0")
-        self.url = url.rstrip("/")
-        self.timeout_s, self.max_attempts = float(timeout_s), int(max_attempts)
-        self.backoff_s, self.max_backoff_s = float(backoff_s), float(max_backoff_s)
-        self.deadline_s = None if deadline_s is None else float(deadline_s)
-        self.retry_statuses = frozenset(int(s) for s in retry_statuses)
+        self.client = HttpClient(url, timeout_s=timeout_s, max_attempts=max_attempts, backoff_s=backoff_s,
+                                 max_backoff_s=max_backoff_s, deadline_s=deadline_s,
+                                 retry_statuses=retry_statuses, seed=seed, counters=self.counters)
+        self.url = self.client.url
         self.on_bad_response = on_bad_response
         self.health_check = health_check
         self.server_info: dict | None = None
         self._server_key: str | None = None
-        self._rng = random.Random(seed)
         self._send_prompts = True
-        # Loopback never goes through an environment proxy; other hosts follow the environment.
-        handlers = [urllib.request.ProxyHandler({})] if parsed.hostname in _LOOPBACK else []
-        self._opener = urllib.request.build_opener(*handlers)
 
     @property
     def key(self) -> str:
@@ -82,45 +181,10 @@ class RemoteScorer(Scorer):
     # -- transport -------------------------------------------------------------------------------
 
     def backoff(self, attempt: int) -> float:
-        """Wait before attempt+1: capped exponential, times a jitter in [0.5, 1) so clients that
-        failed together do not retry together."""
-        return min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1)) * self._rng.uniform(0.5, 1.0)
+        return self.client.backoff(attempt)
 
     def _send(self, method: str, path: str, body: bytes | None = None) -> bytes:
-        url = self.url + path
-        start = time.monotonic()
-        deadline = start + self.deadline_s if self.deadline_s is not None else float("inf")
-        last, attempts = "no attempt made (deadline_s too small)", 0
-        self.counters["requests"] += 1
-        while attempts < self.max_attempts:
-            timeout = min(self.timeout_s, deadline - time.monotonic())
-            if timeout <= 0:
-                break
-            attempts += 1
-            self.counters["attempts"] += 1
-            request = urllib.request.Request(url, data=body, method=method,
-                                             headers={"Content-Type": "application/json"} if body else {})
-            try:
-                with self._opener.open(request, timeout=timeout) as response:
-                    return response.read()
-            except urllib.error.HTTPError as e:
-                detail = _error_detail(e)
-                if e.code not in self.retry_statuses:
-                    raise _FinalAnswer(f"HTTP {e.code}: {detail}") from None
-                last = f"HTTP {e.code}: {detail}"
-            except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-                reason = getattr(e, "reason", e)
-                last = f"{type(reason).__name__}: {reason}"
-            if attempts < self.max_attempts:
-                wait = min(self.backoff(attempts), deadline - time.monotonic())
-                if wait <= 0:
-                    break
-                self.counters["retries"] += 1
-                time.sleep(wait)
-        self.counters["unreachable"] += 1
-        raise RemoteRewardError(
-            f"reward server {url} failed: {attempts} attempt(s) in {time.monotonic() - start:.1f}s "
-            f"(timeout {self.timeout_s:g}s each); last error: {last}")
+        return self.client.send(method, path, body)
 
     # -- protocol --------------------------------------------------------------------------------
 
@@ -128,7 +192,7 @@ class RemoteScorer(Scorer):
         """GET /health; raises RemoteRewardError unless the server says it is ok."""
         try:
             info = json.loads(self._send("GET", "/health"))
-        except _FinalAnswer as e:
+        except HTTPStatusError as e:
             raise RemoteRewardError(f"reward server {self.url}/health: {e}") from None
         except ValueError as e:
             raise RemoteRewardError(f"reward server {self.url}/health answered non-JSON: {e}") from None
@@ -154,7 +218,7 @@ class RemoteScorer(Scorer):
         try:
             server_key, scores = decode_scores(json.loads(self._send("POST", "/score", body)), n)
             return self._rename(server_key, scores)
-        except (_FinalAnswer, WireError, ValueError) as e:  # json errors are ValueErrors
+        except (HTTPStatusError, WireError, ValueError) as e:  # json errors are ValueErrors
             self.counters["bad_responses"] += 1
             message = f"reward server {self.url}/score gave an unusable answer: {e}"
             if self.on_bad_response == "raise":

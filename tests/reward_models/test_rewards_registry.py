@@ -12,12 +12,14 @@ from reward_models.registry import unregister
 PACKAGE = Path(__file__).resolve().parents[2] / "reward_models"
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "reward_server.py"
 BUILTINS = {"brightness", "colorfulness", "jpeg_compressibility", "jpeg_incompressibility", "clip_score",
-            "pickscore", "aesthetic", "image_similarity", "remote", "multi", "pointwise_as_pairwise"}
+            "pickscore", "aesthetic", "image_similarity", "remote", "multi", "pointwise_as_pairwise",
+            "ocr", "vlm_judge", "vlm_judge_pairwise", "geneval"}
 
 
 def test_builtins_are_registered_with_their_kind():
     assert BUILTINS <= set(available())
-    assert available("pairwise") == ["pointwise_as_pairwise"]
+    assert {"pointwise_as_pairwise", "vlm_judge_pairwise"} <= set(available("pairwise"))
+    assert not {"ocr", "vlm_judge", "geneval"} & set(available("pairwise"))
     assert "pickscore" in available("pointwise")
 
 

@@ -18,11 +18,11 @@ def run(recipe: str, out: Path, *overrides: str) -> list[dict]:
     return train_t2i(cfg)
 
 
-def learning_margin(recipe: str, tmp: Path, iterations: int = 16, last: int = 5) -> dict[str, float]:
+def learning_margin(recipe: str, tmp: Path, iterations: int = 16, last: int = 5, extra: tuple = ()) -> dict[str, float]:
     """gain: last-k mean of the learning run minus that of the lr = 0 run (paired: same noise);
     noise: the standard error of a last-k mean, from the lr = 0 run's iteration-to-iteration spread."""
-    learn = [r[WATCH] for r in run(recipe, tmp / "learn", f"iterations={iterations}")]
-    still = [r[WATCH] for r in run(recipe, tmp / "still", f"iterations={iterations}", "optim.lr=0")]
+    learn = [r[WATCH] for r in run(recipe, tmp / "learn", f"iterations={iterations}", *extra)]
+    still = [r[WATCH] for r in run(recipe, tmp / "still", f"iterations={iterations}", *extra, "optim.lr=0")]
     gain = statistics.fmean(learn[-last:]) - statistics.fmean(still[-last:])
     noise = statistics.pstdev(still) / last**0.5
     return {"gain": gain, "noise": noise, "first_learn": learn[0], "first_still": still[0],

@@ -1,0 +1,117 @@
+"""Generate evaluation images with a model adapter: deterministic ODE sampling (plan `ode_only`),
+decoded by the adapter and saved as PNG into `<run>/images/`.
+
+The folder also gets `images/prompts.jsonl` (file, prompt, index, metadata), so it can be scored
+again later as an image folder. Images are scored from the saved PNGs, so re-scoring that folder
+gives the same numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from .config import GenerateInput
+from .sources import EvaluationError, Sample, assign_indices, prompt_set
+
+IMAGES_DIR = "images"
+PROMPTS_NAME = "prompts.jsonl"
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def build_model(cfg: GenerateInput):
+    """The adapter of `cfg.model`, with the LoRA of `cfg.lora` loaded (and active) when given."""
+    import torch
+
+    from pipelines.adapters import build_adapter
+
+    kw = dict(cfg.model_options, dtype=getattr(torch, cfg.dtype), device=resolve_device(cfg.device))
+    adapter = build_adapter(cfg.model, pretrained=cfg.pretrained, tiny=cfg.tiny, **kw)
+    if cfg.lora is not None:
+        adapter.load_lora(cfg.lora)
+        for p in adapter.lora_parameters():
+            p.requires_grad_(False)
+    return adapter
+
+
+def batch_seed(seed: int, first_prompt: int) -> int:
+    """Seed of the noise generator for the batch whose first prompt has this index."""
+    return (seed * 1_000_003 + first_prompt) % (2**63)
+
+
+def _clear_previous(images_dir: Path) -> None:
+    """Remove the images a previous generation listed in its prompts.jsonl (and nothing else)."""
+    listing = images_dir / PROMPTS_NAME
+    if not listing.is_file():
+        return
+    for line in listing.read_text(encoding="utf-8").splitlines():
+        name = json.loads(line).get("file") if line.strip() else None
+        if isinstance(name, str) and Path(name).name == name:  # only plain names inside the folder
+            (images_dir / name).unlink(missing_ok=True)
+    listing.unlink()
+
+
+def generate_images(cfg: GenerateInput, run_dir: str | Path, progress: bool = True, adapter=None) -> list[Sample]:
+    """Generate `images_per_prompt` images for every prompt of `cfg.prompts` into `run_dir/images`.
+
+    `adapter`: an already built adapter to use instead of building one from `cfg` (tests, notebooks).
+    """
+    import torch
+
+    from pipelines.plans import build_plan
+    from pipelines.sampler import Sampler, SamplerConfig
+    from reward_models.images import to_uint8_hwc
+    from PIL import Image
+
+    rows = prompt_set(cfg.prompts, cfg.max_prompts)
+    run_dir = Path(run_dir)
+    images_dir = run_dir / IMAGES_DIR
+    images_dir.mkdir(parents=True, exist_ok=True)
+    _clear_previous(images_dir)
+    if adapter is None:
+        adapter = build_model(cfg)
+    elif cfg.lora is not None:
+        raise EvaluationError("pass either an adapter or generate.lora, not both")
+    sampler = Sampler(SamplerConfig(num_steps=cfg.num_steps, guidance_scale=cfg.guidance_scale, cfg_mode=cfg.cfg_mode,
+                                    shift=cfg.shift, height=cfg.height, width=cfg.width))
+    plan = build_plan("ode_only", cfg.num_steps, solver=cfg.solver)
+    k = cfg.images_per_prompt
+    # (prompt, index) stays unique when a prompt is listed twice: its images are numbered on.
+    expanded = [row for row in rows for _ in range(k)]
+    indices = assign_indices(expanded, cfg.prompts)
+    width = max(5, len(str(len(rows) - 1)))
+    samples: list[Sample] = []
+    bar = tqdm(total=len(rows) * k, desc="generate", unit="img", disable=not progress)
+    for start in range(0, len(rows), cfg.batch_size):
+        chunk = rows[start:start + cfg.batch_size]
+        generator = torch.Generator().manual_seed(batch_seed(cfg.seed, start))
+        tree = sampler.run(adapter, [r.prompt for r in chunk], plan, k, generator)
+        latents = tree.leaf_latents().flatten(0, 1)  # [P*k, C, h, w], prompt-major
+        pixels = []
+        with torch.no_grad():
+            for part in latents.split(max(1, cfg.batch_size)):
+                pixels.append(to_uint8_hwc(adapter.decode(part)))
+        for j, array in enumerate(a for block in pixels for a in block):
+            p, g = start + j // k, j % k
+            name = f"{p:0{width}d}_{g:02d}.png"
+            Image.fromarray(array).save(images_dir / name)
+            row = expanded[p * k + g]
+            samples.append(Sample(f"{IMAGES_DIR}/{name}", row.prompt, indices[p * k + g], dict(row.metadata)))
+        bar.update(len(chunk) * k)
+    bar.close()
+    with open(images_dir / PROMPTS_NAME, "w", encoding="utf-8") as f:
+        for s in samples:
+            row = {"file": Path(s.file).name, "prompt": s.prompt, "index": s.index}
+            if s.metadata:
+                row["metadata"] = s.metadata
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return samples

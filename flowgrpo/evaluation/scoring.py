@@ -1,0 +1,112 @@
+"""Score samples with reward_models scorers, in batches of images loaded from disk.
+
+Pointwise scorers give every image one value per output key (the main key, e.g. 'pickscore', and
+extras named '<key>/<what>'); NaN means "could not score" and is kept as NaN. Pairwise scorers are
+used only in comparisons: for every matched pair they give P(run B's image beats run A's).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+from PIL import Image
+from tqdm.auto import tqdm
+
+from .config import ScorerSpec
+from .sources import EvaluationError, Sample
+
+
+def build_scorers(specs: Sequence[ScorerSpec]) -> tuple[list, list]:
+    """(pointwise, pairwise) lists of (spec, scorer) built by reward_models.build_scorer."""
+    from reward_models import build_scorer
+
+    pointwise, pairwise = [], []
+    for spec in specs:
+        try:
+            scorer = build_scorer({"name": spec.name, **spec.settings})
+        except (ValueError, TypeError, FileNotFoundError) as err:
+            raise EvaluationError(f"scorer '{spec.name}': {err}") from err
+        (pairwise if spec.kind == "pairwise" else pointwise).append((spec, scorer))
+    names = [s.name for s, _ in pairwise]
+    if len(set(names)) != len(names):
+        raise EvaluationError(f"pairwise scorers must have distinct names, got {names}")
+    return pointwise, pairwise
+
+
+def close_scorers(*groups: list) -> None:
+    for group in groups:
+        for _, scorer in group:
+            scorer.close()
+
+
+def resolve(root: str | Path, sample: Sample) -> Path:
+    path = Path(sample.file)
+    return path if path.is_absolute() else Path(root) / path
+
+
+def load_images(root: str | Path, samples: Sequence[Sample]) -> list[Image.Image]:
+    images = []
+    for s in samples:
+        path = resolve(root, s)
+        try:
+            with Image.open(path) as im:
+                images.append(im.convert("RGB"))
+        except (OSError, ValueError) as err:
+            raise EvaluationError(f"cannot read image {path}: {err}") from None
+    return images
+
+
+def metadata_columns(samples: Sequence[Sample]) -> dict[str, list]:
+    """Per-image metadata as the scorers take it: a dict of lists (None where an image lacks a key)."""
+    keys = list(dict.fromkeys(k for s in samples for k in s.metadata))
+    return {k: [s.metadata.get(k) for s in samples] for k in keys}
+
+
+def _numpy(t) -> np.ndarray:
+    return t.detach().float().cpu().numpy().astype(np.float64)
+
+
+def score_samples(root: str | Path, samples: Sequence[Sample], scorers: list, batch_size: int = 32,
+                  progress: bool = True, desc: str = "score") -> dict[str, np.ndarray]:
+    """{output key: float64 [N]} for every pointwise scorer's every output, in scorer order."""
+    n = len(samples)
+    scores: dict[str, np.ndarray] = {}
+    owner: dict[str, int] = {}
+    bar = tqdm(total=n, desc=desc, unit="img", disable=not progress)
+    for start in range(0, n, batch_size):
+        chunk = samples[start:start + batch_size]
+        images = load_images(root, chunk)
+        prompts = [s.prompt for s in chunk]
+        metadata = metadata_columns(chunk)
+        for i, (spec, scorer) in enumerate(scorers):
+            for key, value in scorer(images, prompts, metadata).items():
+                if owner.setdefault(key, i) != i:
+                    raise EvaluationError(f"scorers '{scorers[owner[key]][0].name}' and '{spec.name}' both give "
+                                          f"'{key}'; give one of them a distinct 'key' setting")
+                if key not in scores:
+                    scores[key] = np.full(n, np.nan)
+                scores[key][start:start + len(chunk)] = _numpy(value)
+        bar.update(len(chunk))
+    bar.close()
+    return scores
+
+
+def score_pairs(root_a: str | Path, samples_a: Sequence[Sample], root_b: str | Path, samples_b: Sequence[Sample],
+                scorers: list, batch_size: int = 32, progress: bool = True) -> dict[str, np.ndarray]:
+    """{pairwise scorer name: float64 [M]}: P(image of B beats image of A) for each matched pair."""
+    m = len(samples_a)
+    out = {spec.name: np.full(m, np.nan) for spec, _ in scorers}
+    bar = tqdm(total=m, desc="compare", unit="pair", disable=not progress or not scorers)
+    for start in range(0, m if scorers else 0, batch_size):
+        a, b = samples_a[start:start + batch_size], samples_b[start:start + batch_size]
+        images_a, images_b = load_images(root_a, a), load_images(root_b, b)
+        prompts = [s.prompt for s in b]
+        metadata = metadata_columns(b)
+        for spec, scorer in scorers:
+            p = scorer(images_b, images_a, prompts, metadata)
+            out[spec.name][start:start + len(b)] = _numpy(p)
+        bar.update(len(b))
+    bar.close()
+    return out

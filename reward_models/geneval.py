@@ -1,0 +1,499 @@
+"""GenEval-style compositional reward: a remote object detector, local scoring rules.
+
+The detector (GenEval: Mask2Former Swin-S on COCO, mmdetection 2.x, plus a CLIP ViT-L/14 colour
+classifier on each masked crop) lives in its own process because its dependencies clash with
+ours; only detections cross the wire, as JSON (no pickle):
+
+  GET  /health  -> {"status": "ok", ...}
+  POST /detect  {"images": [<base64 PNG>, ...],
+                 "classes": [[class name, ...] per image],     (the classes the prompt names)
+                 "colors": ["red", ...] | null}                 (candidate colours, when asked)
+             -> {"detections": [[{"label": str, "score": float, "box": [x1, y1, x2, y2],
+                                  "color": str (optional), "colors": {name: prob} (optional),
+                                  "mask": ... (optional, ignored)}, ...] per image]}
+Boxes are pixels of the image as sent (x right, y down). make_detector_server wraps any Python
+detect function into such a server (standard library only).
+
+Rules, per image, from its GenEval metadata {"tag", "include": [{"class", "count", "color"?,
+"position"?: [relation, index of an earlier include entry]}], "exclude": [{"class", "count"}]}:
+- keep a class's detections with score > threshold (0.3; 0.9 when tag == "counting"), highest
+  score first, at most max_objects (16) per class, then greedy NMS at IoU nms_iou (1.0: off);
+- relative position of A to B: centre offset d = c_A - c_B, shrunk per axis by margin x (size_A
+  + size_B) (margin 0.1) towards 0; none if both shrunk offsets are < 1e-3, else with
+  (dx, dy) = shrunk / |d|: "left of" dx < -0.5, "right of" dx > 0.5, "above" dy < -0.5,
+  "below" dy > 0.5 (a diagonal offset can hold two relations);
+- colour: the detector's colour of an object (GenEval's 10 colours) must equal the clause's.
+Outputs (all [B]):
+  '<key>'          partial score = mean over clause terms: per include entry
+                   1 - |count - found| / count (negative when over-counting by more than count),
+                   then, if the count matched, 1 - |count - right colour| / count for a colour
+                   clause and 1 / 0 for a position clause (checked only if count and colour
+                   matched); Flow-GRPO trains on this;
+  '<key>/strict'   1 if every count is exact (==), every colour and position holds, and no
+                   exclude clause is violated (the reward-server's strict_correct);
+  '<key>/correct'  the published GenEval check: at least `count` objects (the `count` best
+                   ones are checked for colour and position), exclude clauses as above.
+Sources: thresholds and margin from the reward-server read for reward_models.md §2.8; the
+relation rule, the > comparisons, the NMS loop and the original `correct` check follow the
+published GenEval evaluate_images.py as remembered [verify against the source]; the exact
+structure of the partial score (which terms are added when a count fails, excludes not scored)
+is from the study notes, not the code [unverified].
+NaN (counted) when the detector fails after bounded retries or answers garbage
+(on_failure="nan", the default; "raise" raises RemoteRewardError), or when a colour clause
+meets an object without a colour (counters["missing_color"]). Malformed metadata raises.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from PIL import Image
+
+from .base import Scorer
+from .registry import register
+from .remote import RETRY_STATUSES, HttpClient, HTTPStatusError, RemoteRewardError
+from .wire import WireError, decode_png, encode_png
+
+log = logging.getLogger(__name__)
+
+TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
+COLORS = ("red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white")
+RELATIONS = ("left of", "right of", "above", "below")
+THRESHOLD = 0.3
+COUNTING_THRESHOLD = 0.9
+MAX_OBJECTS = 16
+NMS_IOU = 1.0
+POSITION_MARGIN = 0.1
+FAILURE_POLICIES = ("nan", "raise")
+
+
+class MissingColor(ValueError):
+    """A colour clause met a detection without a colour."""
+
+
+@dataclass(frozen=True)
+class Detection:
+    label: str
+    score: float
+    box: tuple[float, float, float, float]
+    color: str | None = None
+
+
+@dataclass
+class Verdict:
+    score: float
+    strict: bool
+    correct: bool
+    reasons: list[str] = field(default_factory=list)
+
+
+# -- rules -------------------------------------------------------------------------------------
+
+
+def iou(a: Sequence[float], b: Sequence[float]) -> float:
+    ix = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
+    iy = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    inter = ix * iy
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
+    return inter / union if union > 0 else 0.0
+
+
+def keep_detections(detections: Sequence[Detection], *, threshold: float, max_objects: int = MAX_OBJECTS,
+                    nms_iou: float = NMS_IOU) -> dict[str, list[Detection]]:
+    """Per class: score > threshold, best first, at most max_objects, greedy NMS (off at 1.0)."""
+    by_class: dict[str, list[Detection]] = {}
+    for det in detections:
+        if det.score > threshold:
+            by_class.setdefault(det.label, []).append(det)
+    kept = {}
+    for label, dets in by_class.items():
+        order = sorted(dets, key=lambda d: -d.score)[:max_objects]
+        chosen: list[Detection] = []
+        while order:
+            best = order.pop(0)
+            chosen.append(best)
+            if nms_iou < 1.0:
+                order = [d for d in order if iou(best.box, d.box) < nms_iou]
+        kept[label] = chosen
+    return kept
+
+
+def relative_position(box_a: Sequence[float], box_b: Sequence[float], margin: float = POSITION_MARGIN) -> set[str]:
+    """Relations of A to B ("left of", "right of", "above", "below"), boxes [x1, y1, x2, y2]."""
+    centre = [((box_a[0] + box_a[2]) / 2, (box_a[1] + box_a[3]) / 2), ((box_b[0] + box_b[2]) / 2, (box_b[1] + box_b[3]) / 2)]
+    size_a = (abs(box_a[2] - box_a[0]), abs(box_a[3] - box_a[1]))
+    size_b = (abs(box_b[2] - box_b[0]), abs(box_b[3] - box_b[1]))
+    offset = [centre[0][k] - centre[1][k] for k in range(2)]
+    shrunk = [max(abs(offset[k]) - margin * (size_a[k] + size_b[k]), 0.0) * math.copysign(1.0, offset[k])
+              for k in range(2)]
+    if all(abs(v) < 1e-3 for v in shrunk):
+        return set()
+    norm = math.hypot(*offset)
+    dx, dy = shrunk[0] / norm, shrunk[1] / norm
+    relations = set()
+    if dx < -0.5:
+        relations.add("left of")
+    if dx > 0.5:
+        relations.add("right of")
+    if dy < -0.5:
+        relations.add("above")
+    if dy > 0.5:
+        relations.add("below")
+    return relations
+
+
+def check_geneval_metadata(meta: Any, where: str = "") -> dict:
+    """Validate one prompt's GenEval metadata (a dict or its JSON text); return it as a dict."""
+    if isinstance(meta, str):
+        try:
+            meta = json.loads(meta)
+        except ValueError as e:
+            raise ValueError(f"GenEval metadata{where} is not JSON: {e}") from None
+    if not isinstance(meta, Mapping):
+        raise ValueError(f"GenEval metadata{where} must be an object with 'include', got {type(meta).__name__}")
+    include = meta.get("include")
+    if not isinstance(include, list) or not include:
+        raise ValueError(f"GenEval metadata{where} needs a non-empty 'include' list")
+    for k, req in enumerate(list(include) + list(meta.get("exclude") or [])):
+        if not isinstance(req, Mapping) or not isinstance(req.get("class"), str):
+            raise ValueError(f"GenEval metadata{where}: clause {k} needs a 'class' name, got {req!r}")
+        count = req.get("count", 1)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"GenEval metadata{where}: clause {k} count must be an integer >= 1, got {count!r}")
+    for k, req in enumerate(include):
+        if "position" in req:
+            pos = req["position"]
+            if (not isinstance(pos, (list, tuple)) or len(pos) != 2 or pos[0] not in RELATIONS
+                    or not isinstance(pos[1], int) or not 0 <= pos[1] < k):
+                raise ValueError(f"GenEval metadata{where}: include {k} position must be [relation in {RELATIONS}, "
+                                 f"index of an earlier include entry], got {pos!r}")
+        if "color" in req and not isinstance(req["color"], str):
+            raise ValueError(f"GenEval metadata{where}: include {k} color must be a string, got {req['color']!r}")
+
+    def clause(req: Mapping) -> dict:  # a normalised copy: names compare lower-case
+        out = {**req, "class": req["class"].strip().lower(), "count": req.get("count", 1)}
+        if "color" in req:
+            out["color"] = req["color"].strip().lower()
+        return out
+
+    return {**meta, "include": [clause(r) for r in include], "exclude": [clause(r) for r in meta.get("exclude") or []]}
+
+
+def _check(detected: Mapping[str, list[Detection]], meta: Mapping, *, exact: bool,
+           margin: float) -> tuple[bool, list[float], list[str]]:
+    ok, terms, reasons = True, [], []
+    groups: list[list[Detection] | None] = []
+    for req in meta["include"]:
+        cls, n = req["class"], req["count"]
+        objects = detected.get(cls, [])
+        found = objects if exact else objects[:n]
+        matched = True
+        terms.append(1.0 - abs(n - len(found)) / n)
+        if (len(found) != n) if exact else (len(found) < n):
+            ok = matched = False
+            reasons.append(f"expected {cls} {'==' if exact else '>='} {n}, found {len(objects)}")
+        else:
+            if "color" in req:
+                colors = [o.color for o in found]
+                if any(c is None for c in colors):
+                    raise MissingColor(f"the detector gave no colour for a '{cls}' detection")
+                right = sum(c == req["color"] for c in colors)
+                terms.append(1.0 - abs(n - right) / n)
+                if right < n:
+                    ok = matched = False
+                    reasons.append(f"expected {req['color']} {cls} x{n}, found colours {colors}")
+            if "position" in req and matched:
+                relation, target = req["position"]
+                if groups[target] is None:
+                    good = False
+                    reasons.append(f"no target for {cls} to be {relation}")
+                else:
+                    good = all(relation in relative_position(o.box, t.box, margin)
+                               for o in found for t in groups[target])
+                    if not good:
+                        reasons.append(f"expected {cls} {relation} target {target}")
+                terms.append(1.0 if good else 0.0)
+                if not good:
+                    ok = matched = False
+        groups.append(found if matched else None)
+    for req in meta["exclude"]:
+        found = len(detected.get(req["class"], []))
+        if found >= req["count"]:
+            ok = False
+            reasons.append(f"expected {req['class']} < {req['count']}, found {found}")
+    return ok, terms, reasons
+
+
+def evaluate(detections: Sequence[Detection], meta: Mapping, *, threshold: float = THRESHOLD,
+             counting_threshold: float = COUNTING_THRESHOLD, max_objects: int = MAX_OBJECTS,
+             nms_iou: float = NMS_IOU, position_margin: float = POSITION_MARGIN) -> Verdict:
+    """Score one image's detections against its GenEval metadata."""
+    meta = check_geneval_metadata(meta)
+    cut = counting_threshold if meta.get("tag") == "counting" else threshold
+    detected = keep_detections(detections, threshold=cut, max_objects=max_objects, nms_iou=nms_iou)
+    strict, terms, reasons = _check(detected, meta, exact=True, margin=position_margin)
+    correct, _, _ = _check(detected, meta, exact=False, margin=position_margin)
+    return Verdict(sum(terms) / len(terms), strict, correct, reasons)
+
+
+def summarize(correct: torch.Tensor, tags: Sequence[str]) -> dict[str, float]:
+    """GenEval report: accuracy per tag (NaN rows left out) and 'overall' = the mean over tags."""
+    values = correct.detach().float().cpu().tolist()
+    per_tag: dict[str, list[float]] = {}
+    for value, tag in zip(values, tags, strict=True):
+        if not math.isnan(value):
+            per_tag.setdefault(tag, []).append(value)
+    out = {tag: sum(v) / len(v) for tag, v in sorted(per_tag.items())}
+    if out:
+        out["overall"] = sum(out.values()) / len(out)
+    return out
+
+
+# -- wire ----------------------------------------------------------------------------------------
+
+
+def _number(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise WireError(f"{what} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def parse_detection(item: Any) -> Detection:
+    if not isinstance(item, Mapping):
+        raise WireError(f"a detection must be an object, got {type(item).__name__}")
+    label = item.get("label")
+    if not isinstance(label, str):
+        raise WireError(f"detection 'label' must be a string, got {label!r}")
+    box = item.get("box")
+    if not isinstance(box, (list, tuple)) or len(box) != 4:
+        raise WireError(f"detection 'box' must be [x1, y1, x2, y2], got {box!r}")
+    box = tuple(_number(v, "a box coordinate") for v in box)
+    if box[2] < box[0] or box[3] < box[1]:
+        raise WireError(f"detection box {list(box)} has x2 < x1 or y2 < y1")
+    color = item.get("color")
+    if color is None and isinstance(item.get("colors"), Mapping) and item["colors"]:
+        probs = {str(k): _number(v, "a colour probability") for k, v in item["colors"].items()}
+        color = max(probs, key=probs.get)
+    if color is not None and not isinstance(color, str):
+        raise WireError(f"detection 'color' must be a string, got {color!r}")
+    return Detection(label.strip().lower(), _number(item.get("score"), "detection 'score'"), box,
+                     None if color is None else color.strip().lower())
+
+
+def parse_detections(payload: Any, n: int) -> list[list[Detection]]:
+    """Validate a /detect answer for n images."""
+    if not isinstance(payload, Mapping) or not isinstance(payload.get("detections"), list):
+        raise WireError("detector answer must be a JSON object with a 'detections' list")
+    per_image = payload["detections"]
+    if len(per_image) != n:
+        raise WireError(f"detector answered for {len(per_image)} images, expected {n}")
+    out = []
+    for dets in per_image:
+        if not isinstance(dets, list):
+            raise WireError(f"detections of one image must be a list, got {type(dets).__name__}")
+        out.append([parse_detection(d) for d in dets])
+    return out
+
+
+def detection_to_json(det: Detection | Mapping) -> dict:
+    if isinstance(det, Mapping):
+        return dict(det)
+    out = {"label": det.label, "score": det.score, "box": list(det.box)}
+    if det.color is not None:
+        out["color"] = det.color
+    return out
+
+
+# -- scorer --------------------------------------------------------------------------------------
+
+
+class GenEvalScorer(Scorer):
+    name = "geneval"
+
+    def __init__(self, url: str, *, metadata_key: str = "geneval", threshold: float = THRESHOLD,
+                 counting_threshold: float = COUNTING_THRESHOLD, max_objects: int = MAX_OBJECTS,
+                 nms_iou: float = NMS_IOU, position_margin: float = POSITION_MARGIN, on_failure: str = "nan",
+                 health_check: bool = True, timeout_s: float = 120.0, max_attempts: int = 4, backoff_s: float = 0.5,
+                 max_backoff_s: float = 10.0, deadline_s: float | None = None,
+                 retry_statuses: Sequence[int] = RETRY_STATUSES, batch_size: int = 16, key: str | None = None,
+                 seed: int | None = None):
+        super().__init__(batch_size=batch_size, key=key)
+        if on_failure not in FAILURE_POLICIES:
+            raise ValueError(f"on_failure must be one of {FAILURE_POLICIES}, got {on_failure!r}")
+        if not 0 < nms_iou <= 1 or int(max_objects) < 1 or position_margin < 0:
+            raise ValueError("need 0 < nms_iou <= 1, max_objects >= 1 and position_margin >= 0")
+        self.client = HttpClient(url, timeout_s=timeout_s, max_attempts=max_attempts, backoff_s=backoff_s,
+                                 max_backoff_s=max_backoff_s, deadline_s=deadline_s, retry_statuses=retry_statuses,
+                                 seed=seed, counters=self.counters, what="detector server")
+        self.url = self.client.url
+        self.metadata_key = metadata_key
+        self.metadata_keys = (metadata_key,)
+        self.rules = dict(threshold=float(threshold), counting_threshold=float(counting_threshold),
+                          max_objects=int(max_objects), nms_iou=float(nms_iou),
+                          position_margin=float(position_margin))
+        self.on_failure, self.health_check = on_failure, health_check
+        self.server_info: dict | None = None
+        self.last_reasons: list[list[str] | None] = []
+
+    def health(self) -> dict:
+        """GET /health; raises RemoteRewardError unless the server says it is ok (checked once,
+        before the first request: a detector that is down at start-up is a setup error)."""
+        try:
+            info = self.client.get_json("/health")
+        except HTTPStatusError as e:
+            raise RemoteRewardError(f"detector server {self.url}/health: {e}") from None
+        except ValueError as e:
+            raise RemoteRewardError(f"detector server {self.url}/health answered non-JSON: {e}") from None
+        if not isinstance(info, dict) or info.get("status") != "ok":
+            raise RemoteRewardError(f"detector server {self.url}/health is not ok: {str(info)[:200]}")
+        self.server_info = info
+        return info
+
+    def __call__(self, images, prompts=None, metadata=None):
+        if self.health_check and self.server_info is None:
+            self.health()
+        self.last_reasons = []
+        return super().__call__(images, prompts, metadata)
+
+    def _detect(self, images, metas: list[dict]) -> list[list[Detection]] | None:
+        classes = [sorted({r["class"] for r in m["include"] + m["exclude"]}) for m in metas]
+        wants_color = any("color" in r for m in metas for r in m["include"])
+        request = {"images": [encode_png(im) for im in images.pil()], "classes": classes,
+                   "colors": list(COLORS) if wants_color else None}
+        try:
+            return parse_detections(self.client.post_json("/detect", request), len(metas))
+        except (RemoteRewardError, HTTPStatusError, WireError, ValueError) as e:  # json errors are ValueErrors
+            self.counters["failed_requests"] += 1
+            message = f"detector server {self.url}/detect failed: {e}"
+            if self.on_failure == "raise":
+                raise RemoteRewardError(message) from None
+            log.warning("%s (scored NaN)", message)
+            return None
+
+    def score_batch(self, images, prompts, metadata):
+        n = len(prompts)
+        metas = [check_geneval_metadata(m, f" of image {i}") for i, m in enumerate(metadata[self.metadata_key])]
+        nan = float("nan")
+        score, strict, correct = [nan] * n, [nan] * n, [nan] * n
+        reasons: list[list[str] | None] = [None] * n
+        detections = self._detect(images, metas)
+        if detections is not None:
+            for i, (dets, meta) in enumerate(zip(detections, metas)):
+                try:
+                    verdict = evaluate(dets, meta, **self.rules)
+                except MissingColor as e:
+                    self.counters["missing_color"] += 1
+                    reasons[i] = [str(e)]
+                    continue
+                score[i], strict[i], correct[i] = verdict.score, float(verdict.strict), float(verdict.correct)
+                reasons[i] = verdict.reasons
+        self.last_reasons.extend(reasons)
+        def t(values):
+            return torch.tensor(values, dtype=torch.float32)
+
+        return {self.key: t(score), f"{self.key}/strict": t(strict), f"{self.key}/correct": t(correct)}
+
+
+@register("geneval")
+def build_geneval(*, url: str, metadata_key: str = "geneval", threshold: float = THRESHOLD,
+                  counting_threshold: float = COUNTING_THRESHOLD, max_objects: int = MAX_OBJECTS,
+                  nms_iou: float = NMS_IOU, position_margin: float = POSITION_MARGIN, on_failure: str = "nan",
+                  health_check: bool = True, timeout_s: float = 120.0, max_attempts: int = 4, backoff_s: float = 0.5,
+                  max_backoff_s: float = 10.0, deadline_s: float | None = None,
+                  retry_statuses: Sequence[int] = RETRY_STATUSES, batch_size: int = 16, key: str | None = None,
+                  seed: int | None = None) -> GenEvalScorer:
+    """GenEval rules (counts, colours, positions) over a remote detector: partial score, strict, correct."""
+    return GenEvalScorer(url, metadata_key=metadata_key, threshold=threshold, counting_threshold=counting_threshold,
+                         max_objects=max_objects, nms_iou=nms_iou, position_margin=position_margin,
+                         on_failure=on_failure, health_check=health_check, timeout_s=timeout_s,
+                         max_attempts=max_attempts, backoff_s=backoff_s, max_backoff_s=max_backoff_s,
+                         deadline_s=deadline_s, retry_statuses=retry_statuses, batch_size=batch_size, key=key,
+                         seed=seed)
+
+
+# -- server --------------------------------------------------------------------------------------
+
+DetectFn = Callable[[list[Image.Image], list[list[str]], "list[str] | None"], Sequence[Sequence[Any]]]
+
+
+class DetectorServer(ThreadingHTTPServer):
+    """Serves a Python detect function over the protocol above; detection is serialised by a lock
+    (one model on one device). Binds 127.0.0.1 unless told otherwise."""
+
+    daemon_threads = True
+
+    def __init__(self, detect: DetectFn, host: str = "127.0.0.1", port: int = 0, *, name: str = "detector",
+                 max_body_bytes: int = 512 * 2**20):
+        self.detect, self.detector_name, self.max_body_bytes = detect, name, max_body_bytes
+        self.lock = threading.Lock()
+        super().__init__((host, port), _DetectorHandler)
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def serve_in_thread(self) -> threading.Thread:
+        thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        thread.start()
+        return thread
+
+
+class _DetectorHandler(BaseHTTPRequestHandler):
+    server: DetectorServer
+
+    def _reply(self, status: int, payload: dict) -> None:
+        body = json.dumps(payload, allow_nan=False).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        if self.path.rstrip("/") == "/health":
+            self._reply(200, {"status": "ok", "detector": self.server.detector_name})
+        else:
+            self._reply(404, {"error": f"unknown path {self.path}; use GET /health or POST /detect"})
+
+    def do_POST(self) -> None:
+        if self.path.rstrip("/") != "/detect":
+            self._reply(404, {"error": f"unknown path {self.path}; use POST /detect"})
+            return
+        length = self.headers.get("Content-Length")
+        if length is None or not length.isdigit() or int(length) > self.server.max_body_bytes:
+            self._reply(413 if length and length.isdigit() else 411, {"error": "missing or too large body"})
+            return
+        try:
+            payload = json.loads(self.rfile.read(int(length)))
+            images = [decode_png(x) for x in payload["images"]]
+            classes = payload.get("classes") or [[] for _ in images]
+            if len(classes) != len(images):
+                raise WireError(f"{len(classes)} class lists for {len(images)} images")
+        except (ValueError, KeyError, TypeError, WireError) as e:
+            self._reply(400, {"error": f"bad request: {e}"})
+            return
+        try:
+            with self.server.lock:
+                found = self.server.detect(images, classes, payload.get("colors"))
+            detections = [[detection_to_json(d) for d in dets] for dets in found]
+        except Exception as e:  # noqa: BLE001 - reported to the client, the server stays up
+            self._reply(500, {"error": f"{self.server.detector_name} failed: {type(e).__name__}: {e}"})
+            return
+        self._reply(200, {"detections": detections})
+
+    def log_message(self, format: str, *args) -> None:
+        pass
+
+
+def make_detector_server(detect: DetectFn, host: str = "127.0.0.1", port: int = 0, **kwargs) -> DetectorServer:
+    """A GenEval detector server around detect(images, classes, colors) -> per image a list of
+    {"label", "score", "box", "color"?} dicts (or Detection objects). Port 0 picks a free one."""
+    return DetectorServer(detect, host, port, **kwargs)

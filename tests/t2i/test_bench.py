@@ -1,0 +1,103 @@
+"""scripts/bench.py on two tiny recipes for one iteration: the JSON's structure, counted forwards against
+the closed form of the full_sde and tree plans (worked out by hand here), and the markdown section."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_t2i_script", ROOT / "scripts" / "bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def run(bench, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    backward = torch.Tensor.backward
+    threads = torch.get_num_threads()
+    bench.main(["--recipes", "flow_grpo,branchgrpo", "--iterations", "1", "--warmup", "0",
+                "--published", "dance_grpo,branchgrpo", "--in-process", "--out-dir", str(tmp / "runs"),
+                "--json", str(tmp / "bench.json"), "--markdown", str(tmp / "benchmarks.md")])
+    assert torch.Tensor.backward is backward, "the backward timing wrapper must be removed after the run"
+    assert torch.get_num_threads() == threads
+    return json.loads((tmp / "bench.json").read_text()), tmp
+
+
+def test_json_structure(run):
+    result, _ = run
+    for key in ("date", "command", "settings", "machine", "versions", "git", "load_before", "load_after",
+                "recipes", "published"):
+        assert key in result, key
+    assert result["machine"]["cpu"] and result["versions"]["torch"]
+    assert result["command"].startswith("python scripts/bench.py --recipes flow_grpo,branchgrpo")
+    assert list(result["recipes"]) == ["flow_grpo", "branchgrpo"]
+    for name, r in result["recipes"].items():
+        assert "error" not in r, r.get("error")
+        assert len(r["iterations"]) == 1 and not r["iterations"][0]["warmup"]
+        s = r["summary"]
+        assert s["measured_iterations"] == 1
+        assert set(s["per_image"]) == {"fwd_nograd", "fwd_grad", "rollout_fwd_nograd", "backward"}
+        assert set(s["phases_mean_s"]) == {"rollout", "reward", "reward_wait", "train", "other"}
+        assert set(s["model_calls_mean_s"]) == {"fwd_nograd", "fwd_grad", "backward", "decode"}
+        assert s["seconds_per_iteration_median"] > 0 and s["phases_mean_s"]["rollout"] > 0
+        assert s["model_calls_mean_s"]["fwd_nograd"] > 0 and s["model_calls_mean_s"]["decode"] > 0
+        assert 0 <= s["share_outside_model_calls"] <= s["share_outside_fwd_decode"] <= 1
+        assert s["reward_calls_per_iteration"] == 2  # 2 rollout batches x 1 scorer
+        assert s["decoded_images_per_iteration"] == 16
+        assert s["hook_rows_match_counters"] and s["counts_match_closed_form"]
+
+
+def test_full_sde_counts(run):
+    s = run[0]["recipes"]["flow_grpo"]["summary"]
+    # T = 6 steps, all SDE; the first floor(6 * 0.99) = 5 trained; no CFG; 16 edges x 5 = 80 in one backward of 48 + 32
+    assert s["per_image"]["fwd_nograd"] == 6 == s["closed_form_per_image"]["fwd_nograd"]
+    assert s["per_image"]["fwd_grad"] == 5 == s["closed_form_per_image"]["fwd_grad"]
+    assert s["hook_rows_per_image"] == {"fwd_nograd": 6, "fwd_grad": 5}
+    assert s["per_image"]["backward"] == 2 / 16
+
+
+def test_tree_counts(run):
+    s = run[0]["recipes"]["branchgrpo"]["summary"]
+    # splits at steps 0, 2, 4 (branch 2): nodes per depth W = 1, 2, 2, 4, 4, 8, 8; 8 leaves per root
+    W = [1, 2, 2, 4, 4, 8, 8]
+    assert s["per_image"]["fwd_nograd"] == sum(W[:6]) / 8 == s["closed_form_per_image"]["fwd_nograd"]
+    assert s["per_image"]["fwd_grad"] == sum(W[1:]) / 8 == s["closed_form_per_image"]["fwd_grad"]
+    assert s["hook_rows_per_image"]["fwd_grad"] == sum(W[1:]) / 8
+
+
+def test_published_settings(run):
+    pub = run[0]["published"]
+    assert pub["dance_grpo"]["per_image"]["fwd_nograd"] == 20 and pub["dance_grpo"]["per_image"]["fwd_grad"] == 20
+    b = pub["branchgrpo"]  # 20 steps, splits {0, 3, 6, 9}: 218 edges and 203 forwards per 16-leaf tree
+    assert b["per_image"]["fwd_grad"] == 218 / 16 and b["per_image"]["fwd_nograd"] == 203 / 16
+    assert b["published_per_image"] == [13.68, 13.68] and b["counts_match_closed_form"]
+
+
+def test_markdown_section(bench, run):
+    result, tmp = run
+    text = (tmp / "benchmarks.md").read_text()
+    assert text.startswith("# Benchmarks") and text.count(bench.SECTION) == 1
+    assert "| flow_grpo | full_sde |" in text and "not been run yet" in text
+    # re-runs replace only this script's section; another script's section stays as it was
+    other = "## Text trainer vs TRL GRPOTrainer\n\nkeep me\n"
+    path = tmp / "shared.md"
+    path.write_text("# Benchmarks\n\n" + other)
+    for _ in range(2):
+        bench.write_section(path, bench.markdown(result))
+    shared = path.read_text()
+    assert shared.count(bench.SECTION) == 1 and other in shared
+    path.write_text(f"# Benchmarks\n\n{bench.SECTION}\n\nold\n\n{other}")
+    bench.write_section(path, bench.markdown(result))
+    shared = path.read_text()
+    assert "\nold\n" not in shared and other in shared and shared.count(bench.SECTION) == 1
