@@ -452,9 +452,10 @@ class T2ITrainer:
                 self.ema.restore(self.params)
         n = cfg.eval.images_per_prompt
         rows = [p for p in range(len(self.eval_prompts)) for _ in range(n)]
+        # a pairwise scorer needs at least two images per prompt to compare
+        scorable = n > 1 or not self.rewards.has_pairwise
         scored = self.rewards.score(images, [self.eval_prompts.prompts[r] for r in rows],
-                                    [self.eval_prompts.metadata[r] for r in rows], max(n, 2) if n > 1 else 1,
-                                    len(rows)) if not self.rewards.has_pairwise or n > 1 else None
+                                    [self.eval_prompts.metadata[r] for r in rows], n, len(rows)) if scorable else None
         out: dict[str, float] = {}
         if scored is not None:
             for k, label in enumerate(self.rewards.labels):

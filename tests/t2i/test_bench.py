@@ -42,7 +42,7 @@ def test_json_structure(run):
     assert result["machine"]["cpu"] and result["versions"]["torch"]
     assert result["command"].startswith("python scripts/bench.py --recipes flow_grpo,branchgrpo")
     assert list(result["recipes"]) == ["flow_grpo", "branchgrpo"]
-    for name, r in result["recipes"].items():
+    for r in result["recipes"].values():
         assert "error" not in r, r.get("error")
         assert len(r["iterations"]) == 1 and not r["iterations"][0]["warmup"]
         s = r["summary"]

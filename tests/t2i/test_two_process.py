@@ -58,4 +58,4 @@ def test_two_processes_match_one(tmp_path):
     assert p1.keys() == p2.keys()
     assert max(float(p1[k].abs().max()) for k in p1 if "lora_B" in k) > 0  # LoRA B starts at 0: the update moved it
     for k in p1:  # gradients summed over ranks in another order: equal to float rounding
-        torch.testing.assert_close(p1[k], p2[k], rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(p1[k], p2[k], rtol=1e-3, atol=1e-5)  # Adam magnifies last-bit grad differences of tiny-gradient weights
