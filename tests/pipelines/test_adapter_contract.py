@@ -74,7 +74,7 @@ def test_encode_prompts_cached(adapter):
     try:
         e1 = adapter.encode_prompts([PROMPTS[0], PROMPTS[1], PROMPTS[0]])
         first = len(calls)
-        assert first == len(encoders)  # one batched pass per encoder for all new strings (incl. "")
+        assert first == 3 * len(encoders)  # one pass per encoder per new string (2 prompts and ""), each once
         e2 = adapter.encode_prompts([PROMPTS[1], PROMPTS[0]])
         assert len(calls) == first  # cached: no second encoder call
     finally:
@@ -86,6 +86,16 @@ def test_encode_prompts_cached(adapter):
     assert not torch.equal(e1.cond[0], e1.cond[1])
     with pytest.raises(TypeError):
         adapter.encode_prompts("a red cat")
+
+
+def test_an_embedding_does_not_depend_on_the_prompts_encoded_with_it(adapter):
+    adapter._cache.clear()
+    alone = adapter.encode_prompts([PROMPTS[1]])
+    adapter._cache.clear()
+    together = adapter.encode_prompts([PROMPTS[0], PROMPTS[1]]).index([1])
+    assert torch.equal(alone.cond, together.cond) and torch.equal(alone.uncond, together.uncond)
+    if alone.pooled is not None:  # pooled outputs are the ones that changed with the batch (exact resume)
+        assert torch.equal(alone.pooled, together.pooled)
 
 
 def test_prompt_cache_is_bounded_and_chunked():
