@@ -79,7 +79,9 @@ def test_save_pretrained_from_pretrained_identical(variant, tmp_path):
     x = torch.randn(2, *a.latent_shape(32, 32))
     s = torch.tensor([0.4, 0.9]) if a.prediction == "velocity" else torch.tensor([400, 900])
     with torch.no_grad():
-        assert torch.equal(a.model_output(x, s, ea, 3.0), b.model_output(x, s, eb, 3.0))
+        # transformers may pick another attention kernel for a loaded text encoder than for one built from
+        # its config: pooled embeddings then agree to float rounding, not bit for bit
+        torch.testing.assert_close(a.model_output(x, s, ea, 3.0), b.model_output(x, s, eb, 3.0), rtol=1e-5, atol=1e-6)
         assert torch.equal(a.decode(x), b.decode(x))
 
 
