@@ -6,7 +6,8 @@
 Modules, one job each: config (typed config), data (JSONL / built-in tasks, chat template, checks),
 models (tiny random Qwen2 + byte tokenizer, real models, LoRA, KL reference), generation
 (transformers generate -> Rollout), logprobs (micro-batched token log-probs), answers (math answer
-extraction and equivalence), rewards (registry, TRL-compatible user functions, scoring), optim
+extraction and equivalence), rewards (registry, TRL-compatible user functions, scoring), bleu
+(batched sentence BLEU on token-id tensors), encoders (sentence embeddings for semantic similarity), optim
 (AdamW + schedule), trainer (the loop).
 """
 

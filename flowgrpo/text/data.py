@@ -57,6 +57,21 @@ def arithmetic_task(*, rows: int = 256, max_operand: int = 20, ops: str = "+-*",
     return out
 
 
+@task("echo")
+def echo_task(*, rows: int = 64, words: str = "red green blue cat dog sun moon tree", min_words: int = 2,
+              max_words: int = 5, seed: int = 0, template: str = "Repeat: {text}\n") -> list[dict[str, Any]]:
+    """Repeat a short random sentence; the `reference` column feeds `bleu` / `semantic_similarity`."""
+    vocab = words.split()
+    if not vocab or not 1 <= min_words <= max_words:
+        raise ValueError("echo: need some words and 1 <= min_words <= max_words")
+    rng = random.Random(seed)
+    out = []
+    for _ in range(rows):
+        text = " ".join(rng.choice(vocab) for _ in range(rng.randint(min_words, max_words)))
+        out.append({"prompt": template.format(text=text), "reference": text})
+    return out
+
+
 # --- loading ------------------------------------------------------------------------------------
 
 

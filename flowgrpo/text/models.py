@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import logging
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Callable, ContextManager, Optional
 
@@ -115,11 +119,23 @@ def _load_gguf(cfg: ModelConfig):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cache = Path(cfg.gguf_cache_dir) if cfg.gguf_cache_dir else None
-    if cache is not None and (cache / "config.json").is_file():
-        log.info("loading the cached safetensors copy of %s from %s", cfg.gguf_file, cache)
+    folder, gguf = _find_gguf(resolve_model_path(cfg.name_or_path), cfg.gguf_file)
+    source = Path(folder) / gguf
+    stamp = {"gguf_file": str(source.resolve()), "bytes": source.stat().st_size}
+
+    def from_cache():
         return (AutoTokenizer.from_pretrained(str(cache)),
                 AutoModelForCausalLM.from_pretrained(str(cache), dtype=_DTYPES[cfg.dtype]))
-    folder, gguf = _find_gguf(resolve_model_path(cfg.name_or_path), cfg.gguf_file)
+
+    if cache is not None and (cache / "config.json").is_file():
+        cached_from = _read_json(cache / SOURCE_FILE)
+        if cached_from == stamp:
+            log.info("loading the cached safetensors copy of %s from %s", gguf, cache)
+            return from_cache()
+        was = cached_from or {}
+        log.warning("model.gguf_cache_dir %s holds a copy of %s (%s bytes), not of %s (%s bytes); converting "
+                    "again", cache, was.get("gguf_file", "an unknown file"), was.get("bytes", "?"), source,
+                    stamp["bytes"])
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=_DTYPES[cfg.dtype])
     if cache is not None:
@@ -128,12 +144,36 @@ def _load_gguf(cfg: ModelConfig):
             delattr(config, "quantization_config")
         fresh = type(model)(config)
         fresh.load_state_dict(model.state_dict())
-        cache.mkdir(parents=True, exist_ok=True)
-        fresh.save_pretrained(str(cache))
-        tokenizer.save_pretrained(str(cache))
-        model = fresh.to(_DTYPES[cfg.dtype])
-        log.info("cached %s as safetensors in %s", cfg.gguf_file, cache)
+        fresh.generation_config = model.generation_config
+        # written beside the cache folder, then renamed into place: a run killed mid-write leaves no
+        # half-written cache that a later run would take for a complete one
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=cache.name + ".", dir=cache.parent))
+        os.chmod(tmp, 0o755)
+        try:
+            fresh.save_pretrained(str(tmp))
+            tokenizer.save_pretrained(str(tmp))
+            (tmp / SOURCE_FILE).write_text(json.dumps(stamp, indent=1))
+            if cache.exists():
+                shutil.rmtree(cache)
+            os.replace(tmp, cache)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        log.info("cached %s as safetensors in %s", gguf, cache)
+        del model, fresh
+        # load the copy back (well under a second): the first run then gets the very model later runs get
+        return from_cache()
     return tokenizer, model
+
+
+SOURCE_FILE = "flowgrpo_gguf_source.json"  # which GGUF file a cache folder was converted from
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def load_policy(cfg: ModelConfig):

@@ -1,4 +1,5 @@
-"""AdamW over the trainable parameters and the learning-rate schedule (stepped once per training step)."""
+"""AdamW over the trainable parameters (fused where torch has it) and the learning-rate schedule (stepped
+once per training step)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,11 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, total_steps: int):
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameters")
+    # the fused kernel (one pass over all tensors) where torch has it: on CPU it is about 2x faster than
+    # the default multi-tensor AdamW; TRL / transformers use it by default too
+    fused = all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.float16, torch.bfloat16)
+                for p in params)
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                                  weight_decay=cfg.weight_decay)
+                                  weight_decay=cfg.weight_decay, fused=fused or None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, total_steps))
     return params, optimizer, scheduler

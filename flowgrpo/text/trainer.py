@@ -6,7 +6,8 @@ One training step:
               -> reward functions -> rewards [P, G, K] (NaN = not applicable / failed)
               -> [DAPO dynamic sampling: drop zero-spread groups, generate more, bounded rounds]
               -> flowgrpo.core.compute_advantages     (any estimator; GDPO reads the K heads)
-              -> old (and reference) token log-probs, no grad, in micro-batches
+              -> old (and reference) token log-probs, no grad, in micro-batches (the old ones only when
+                 several optimizer steps use the batch; else a few rows re-scored for the on-policy check)
               -> num_iterations passes x mini_batches optimizer steps, each with ONE LossNormalizer
                  counted over its whole mini-batch, micro-batches accumulate gradients
                  -> flowgrpo.core.policy_loss (any preset / parts) -> clip grad norm -> AdamW
@@ -15,6 +16,10 @@ One training step:
 The first micro-batches of a fresh batch (before any optimizer step) are scored by the weights
 that sampled it: their ratio must be 1. The deviation is measured and logged every step, with a
 loud warning when it exceeds the tolerance.
+
+Every forward over completions runs each distinct prompt of its micro-batch once and repeats the
+prompt's key/value cache for the completions that share it (`train.shared_prompt`; on the first
+batch the trainer checks that this gives the plain forward's log-probs before using it).
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from ..metrics import MetricsWriter
 from .config import TextConfig
 from .data import PromptSampler, load_prompts
 from .generation import Rollout, TransformersGenerator
-from .logprobs import batch_logprobs, micro_logprobs
+from .logprobs import batch_logprobs, micro_logprobs, shared_prompt_deviation
 from .models import load_policy, reference_policy, trainable_state
 from .optim import build_optimizer
 from .rewards import RewardScores, build_rewards, score_completions
@@ -78,7 +83,8 @@ class TextGRPOTrainer:
         self.generator = TransformersGenerator(self.model, self.tokenizer, cfg.generation)
         try:
             self.rewards = build_rewards(cfg.rewards, extra=reward_funcs, context={
-                "max_tokens": cfg.generation.max_new_tokens, "eos_token_ids": self.generator.eos_ids})
+                "max_tokens": cfg.generation.max_new_tokens, "eos_token_ids": self.generator.eos_ids,
+                "tokenizer": self.tokenizer, "device": str(self.device)})
         except ValueError as err:
             raise ConfigError(f"rewards: {err}") from None
         context = getattr(self._base_config(), "max_position_embeddings", None)
@@ -91,6 +97,7 @@ class TextGRPOTrainer:
         self.reference = reference_policy(self.model, self.use_kl)
         self.step = 0
         self._in_step = False
+        self.shared_prompt: Optional[bool] = None if cfg.train.shared_prompt == "auto" else cfg.train.shared_prompt
         self.resumed_from: Optional[Path] = None
         if cfg.resume:
             self._resume()
@@ -199,9 +206,24 @@ class TextGRPOTrainer:
         values = torch.cat([s.values for s in kept_s])
         return rollout, RewardScores(values, nones, errors)
 
-    def _needs_old_pass(self) -> bool:
+    def _decide_shared_prompt(self, rollout: Rollout, record: dict, counts: dict) -> None:
+        """train.shared_prompt auto: compare the shared-prompt and the plain forward on the first groups of
+        the first batch; use the shared one when they agree to a tenth of the ratio-check tolerance."""
+        G = rollout.group_size
+        rows = torch.arange(min(rollout.num_sequences, max(2 * G, 2), self.cfg.train.micro_batch_size))
+        shares = torch.unique(rollout.prompt_index[rows]).numel() < rows.numel()
+        deviation = shared_prompt_deviation(self.model, rollout, rows, self.cfg.generation.temperature) \
+            if shares else math.inf
+        counts["count/forward_nograd"] += 2 if shares else 0  # once per run: plain + shared pass
+        self.shared_prompt = deviation <= self.cfg.ratio_check.tolerance / 10
+        record["check/shared_prompt_deviation"] = deviation
+        log.info("shared-prompt forward %s (max |log-prob difference| to the plain forward: %.2e)",
+                 "on" if self.shared_prompt else "off", deviation)
+
+    def _needs_old_logp(self) -> bool:
+        """The loss needs the rollout policy's log-probs: several optimizer steps per generation batch."""
         t = self.cfg.train
-        return t.num_iterations > 1 or t.mini_batches > 1 or self.cfg.ratio_check.enabled
+        return t.num_iterations > 1 or t.mini_batches > 1
 
     def _skip_zero_advantage(self) -> bool:
         """Rows with A = 0 add nothing to the gradient unless a KL / entropy term or a local normaliser is used."""
@@ -247,57 +269,98 @@ class TextGRPOTrainer:
         lp_batch = cfg.train.logprob_batch_size or cfg.train.micro_batch_size
         counts = {k: 0 for k in ("count/forward_nograd", "count/forward_grad", "count/backward",
                                  "count/optimizer_steps")}
+        advantages = adv.advantages.reshape(N)
+        sample_weight = adv.sample_weight.reshape(N)
+        live = mask.any(1) & (sample_weight > 0)
+        if self._skip_zero_advantage():
+            live &= advantages != 0
+        # the order of every pass, fixed up front: the on-policy check needs the first rows trained on
+        orders = []
+        for it in range(cfg.train.num_iterations):
+            if cfg.train.shuffle:
+                g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.step * 1009 + it)
+                orders.append(torch.randperm(N, generator=g))
+            else:
+                orders.append(torch.arange(N))
 
         # old and reference log-probs (no grad)
         t0 = time.perf_counter()
-        logp_old = entropy = logp_ref = None
-        if self._needs_old_pass():
-            logp_old, entropy = batch_logprobs(self.model, rollout, temp, lp_batch, with_entropy=True)
+        if self.shared_prompt is None:
+            self._decide_shared_prompt(rollout, record, counts)
+        shared = self.shared_prompt
+        logp_old = entropy = logp_ref = check_rows = check_logp = None
+        check = cfg.ratio_check.enabled
+        if self._needs_old_logp() or (check and cfg.ratio_check.rows is None):
+            logp_old, entropy = batch_logprobs(self.model, rollout, temp, lp_batch, with_entropy=True,
+                                               shared_prompt=shared)
             counts["count/forward_nograd"] += math.ceil(N / lp_batch)
+        elif check:
+            # one update per batch: the loss takes the detached current log-probs as the old ones (as TRL
+            # does), and only a few sequences of the first micro-batch are re-scored for the check
+            first = orders[0].chunk(cfg.train.mini_batches)[0]
+            check_rows = first[live[first]][:min(cfg.train.micro_batch_size, cfg.ratio_check.rows)]
+            if check_rows.numel():
+                with torch.no_grad():
+                    check_logp, _ = micro_logprobs(self.model, rollout, check_rows, temp, shared_prompt=shared)
+                counts["count/forward_nograd"] += 1
         if self.use_kl:
             with self.reference() as ref_model:
-                logp_ref, _ = batch_logprobs(ref_model, rollout, temp, lp_batch)
+                logp_ref, _ = batch_logprobs(ref_model, rollout, temp, lp_batch, shared_prompt=shared)
             counts["count/forward_nograd"] += math.ceil(N / lp_batch)
         record["time/logprob"] = time.perf_counter() - t0
 
         dev = self.device
         full = LossInputs(
             logp=torch.zeros(mask.shape, device=dev), logp_old=torch.zeros(mask.shape, device=dev)
-            if logp_old is None else logp_old, advantages=adv.advantages.reshape(N).to(dev),
-            mask=mask.to(dev), sample_weight=adv.sample_weight.reshape(N).to(dev),
-            logp_ref=logp_ref)
+            if logp_old is None else logp_old, advantages=advantages.to(dev),
+            mask=mask.to(dev), sample_weight=sample_weight.to(dev), logp_ref=logp_ref)
         if entropy is not None:
             record["entropy/mean"] = float(entropy[full.mask].mean()) if bool(full.mask.any()) else math.nan
-        live = (full.mask.any(1) & (full.sample_weight.squeeze(1) > 0)).cpu()
-        if self._skip_zero_advantage():
-            live &= (full.advantages.squeeze(1) != 0).cpu()
+        checked_at = torch.full((N,), -1, dtype=torch.long)  # row -> its index in check_rows
+        if check_rows is not None:
+            checked_at[check_rows] = torch.arange(check_rows.numel())
 
         # policy update: num_iterations passes x mini_batches optimizer steps
         t0 = time.perf_counter()
         metrics = _MetricAccumulator()
         first_pass_dev = 0.0
+        checked_rows = 0
+        ent_sum, ent_tokens = 0.0, 0
         grad_norms = []
         on_policy = True  # until the first optimizer step
-        for it in range(cfg.train.num_iterations):
-            if cfg.train.shuffle:
-                g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.step * 1009 + it)
-                order = torch.randperm(N, generator=g)
-            else:
-                order = torch.arange(N)
+        for it, order in enumerate(orders):
             for mini in order.chunk(cfg.train.mini_batches):
                 norm = LossNormalizer.from_inputs(full.split(mini), const_len=cfg.generation.max_new_tokens)
                 self.optimizer.zero_grad(set_to_none=True)
                 rows_live = mini[live[mini]]
                 for micro in rows_live.split(cfg.train.micro_batch_size) if rows_live.numel() else ():
+                    # entropy: for the loss (with grad), or as a metric of the first pass when no old pass gave it
+                    ent_metric = entropy is None and it == 0
                     logp, ent = micro_logprobs(self.model, rollout, micro, temp,
-                                               with_entropy=bool(cfg.loss.entropy_coef))
+                                               with_entropy=bool(cfg.loss.entropy_coef) or ent_metric,
+                                               entropy_grad=bool(cfg.loss.entropy_coef), shared_prompt=shared)
                     counts["count/forward_grad"] += 1
                     m = full.mask[micro]
+                    if ent_metric:
+                        ent_sum += float(ent.detach()[m].sum())
+                        ent_tokens += int(m.sum())
                     old = full.logp_old[micro] if logp_old is not None else logp.detach()
-                    if on_policy and logp_old is not None and bool(m.any()):
-                        dev_ = ((logp.detach() - old)[m].exp() - 1).abs().max()
-                        first_pass_dev = max(first_pass_dev, float(dev_))
-                    inputs = replace(full.split(micro), logp=logp, logp_old=old, entropy=ent)
+                    if on_policy and check:
+                        if logp_old is not None and bool(m.any()):
+                            dev_ = ((logp.detach() - old)[m].exp() - 1).abs().max()
+                            first_pass_dev = max(first_pass_dev, float(dev_))
+                            checked_rows += int(m.any(1).sum())
+                        elif check_logp is not None:
+                            at = checked_at[micro]
+                            sel = at >= 0
+                            if bool(sel.any()):
+                                ms = m[sel.to(m.device)]
+                                diff = logp.detach()[sel.to(dev)] - check_logp[at[sel]].to(dev)
+                                if bool(ms.any()):
+                                    first_pass_dev = max(first_pass_dev, float((diff[ms].exp() - 1).abs().max()))
+                                checked_rows += int(sel.sum())
+                    inputs = replace(full.split(micro), logp=logp, logp_old=old,
+                                     entropy=ent if cfg.loss.entropy_coef else None)
                     out = policy_loss(inputs, cfg.loss, norm)
                     out.loss.backward()
                     counts["count/backward"] += 1
@@ -307,14 +370,18 @@ class TextGRPOTrainer:
                 self.optimizer.step()
                 counts["count/optimizer_steps"] += 1
                 on_policy = False
+        if entropy is None and ent_tokens:
+            record["entropy/mean"] = ent_sum / ent_tokens
         record["time/train"] = time.perf_counter() - t0
         record.update(metrics.result(counts["count/optimizer_steps"]))
         record.update(counts)
         if grad_norms:
             record["grad_norm"] = sum(grad_norms) / len(grad_norms)
             record["grad_norm_max"] = max(grad_norms)
-        if self._needs_old_pass() and cfg.ratio_check.enabled:
+        record["train/shared_prompt"] = int(bool(shared))
+        if cfg.ratio_check.enabled:
             record["check/first_pass_ratio_dev"] = first_pass_dev
+            record["check/rows"] = checked_rows
             if first_pass_dev > cfg.ratio_check.tolerance:
                 msg = (f"ON-POLICY CHECK FAILED at step {self.step + 1}: the first pass over a fresh batch gives "
                        f"|ratio - 1| up to {first_pass_dev:.3e} (tolerance {cfg.ratio_check.tolerance:.1e}). The "

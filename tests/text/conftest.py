@@ -1,4 +1,5 @@
-"""Text-trainer test helpers: one CPU thread (tiny models run fastest so, and runs are bit-exact), tiny configs."""
+"""Text-trainer test helpers: one CPU thread (tiny models run fastest so, and runs are bit-exact), tiny configs,
+and `slow` tests deselected unless `-m slow` is given."""
 
 from pathlib import Path
 
@@ -27,3 +28,16 @@ def tiny_config(tmp_path):
         return load_text_config(TINY, [*base, *overrides])
 
     return make
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `slow` under tests/text run only when asked for (`-m slow`); otherwise they are
+    deselected (reported as deselected, not skipped)."""
+    if "slow" in (config.getoption("markexpr") or ""):
+        return
+    here = Path(__file__).resolve().parent
+    drop = [it for it in items if it.get_closest_marker("slow") and here in Path(str(it.fspath)).resolve().parents]
+    if drop:
+        dropped = set(map(id, drop))
+        config.hook.pytest_deselected(items=drop)
+        items[:] = [it for it in items if id(it) not in dropped]
