@@ -22,6 +22,7 @@ import os
 import random
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -326,6 +327,15 @@ def load_checkpoint(path: str | Path, *,
         set_rng_state(_load_tensors(path / "rng.safetensors"), raw["rng"])
     config = _read_json(path / "config.json") if (path / "config.json").is_file() else None
     return Checkpoint(path, int(raw["step"]), tensors, raw["state"], config, raw)
+
+
+def warn_config_changes(now: Mapping[str, Any], saved: Optional[Mapping[str, Any]], free: set[str]) -> None:
+    """Warn (naming the top-level keys) when a resumed run's config differs from its checkpoint's outside `free`."""
+    if saved is None:
+        return
+    changed = sorted(k for k in set(now) | set(saved) if k not in free and now.get(k) != saved.get(k))
+    if changed:
+        warnings.warn(f"resume: the config differs from the checkpoint's in {changed}", stacklevel=3)
 
 
 def load_into(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor], *, strict_keys: bool = True) -> None:

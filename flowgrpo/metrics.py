@@ -36,6 +36,15 @@ class MetricsWriter:
         self.close()
 
 
+def truncate_metrics(path: str | Path, last: int, key: str) -> None:
+    """Drop records whose `key` (step / iteration) is past `last`: written after the checkpoint a run resumes from."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get(key, 0) <= last]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 

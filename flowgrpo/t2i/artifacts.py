@@ -27,15 +27,6 @@ def save_grid(images: torch.Tensor, path: Path, cols: int, max_images: int) -> P
     return path
 
 
-def truncate_metrics(path: Path, iteration: int) -> None:
-    """Drop records past `iteration` (written after the checkpoint a run resumes from)."""
-    if not path.is_file():
-        return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("iteration", 0) <= iteration]
-    path.write_text("".join(line + "\n" for line in kept))
-
-
 def to_json(record: dict[str, Any]) -> str:
     return json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()},
                       indent=2)

@@ -33,11 +33,11 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from ..checkpoint import latest_checkpoint, load_checkpoint, load_into, save_checkpoint
+from ..checkpoint import latest_checkpoint, load_checkpoint, load_into, save_checkpoint, warn_config_changes
 from ..config import ConfigError, dump_config
 from ..core import LossNormalizer, compute_advantages
 from ..core.contracts import GroupBatch
-from ..metrics import LossMetrics, MetricsWriter
+from ..metrics import LossMetrics, MetricsWriter, truncate_metrics
 from ..text.data import PromptSampler
 from ..text.optim import lr_factor
 from . import artifacts
@@ -179,12 +179,7 @@ class T2ITrainer:
         self.optimizer_steps = ckpt.state["optimizer_steps"]
         self.iteration = ckpt.step
         self.resumed_from = path
-        if ckpt.config is not None:
-            now = self.cfg.model_dump(mode="json")
-            changed = sorted(k for k in set(now) | set(ckpt.config)
-                             if k not in _RESUME_FREE and now.get(k) != ckpt.config.get(k))
-            if changed:
-                warnings.warn(f"resume: the config differs from the checkpoint's in {changed}", stacklevel=2)
+        warn_config_changes(self.cfg.model_dump(mode="json"), ckpt.config, _RESUME_FREE)
         log.info("resumed from %s (iteration %d)", path, self.iteration)
 
     # --- rollout and rewards -----------------------------------------------------------------------
@@ -474,7 +469,7 @@ class T2ITrainer:
         if self.dist.is_main:
             dump_config(cfg, self.out / "config.yaml")
         metrics_path = self.out / "metrics.jsonl"
-        artifacts.truncate_metrics(metrics_path, self.iteration)
+        truncate_metrics(metrics_path, self.iteration, "iteration")
         end = cfg.iterations if cfg.stop_after is None else min(cfg.iterations, cfg.stop_after)
         history: list[dict[str, Any]] = []
         trackers = artifacts.Trackers(self.out, cfg) if self.dist.is_main else artifacts.Trackers.off()

@@ -24,13 +24,11 @@ batch the trainer checks that this gives the plain forward's log-probs before us
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import random
 import time
 import warnings
-from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
@@ -38,11 +36,11 @@ from typing import Any, Callable, Mapping, Optional
 import numpy as np
 import torch
 
-from ..checkpoint import latest_checkpoint, load_checkpoint, load_into, save_checkpoint
+from ..checkpoint import latest_checkpoint, load_checkpoint, load_into, save_checkpoint, warn_config_changes
 from ..config import ConfigError, dump_config
 from ..core import GroupBatch, LossInputs, LossNormalizer, compute_advantages, policy_loss
 from ..core.stats import masked_std
-from ..metrics import MetricsWriter
+from ..metrics import LossMetrics, MetricsWriter, truncate_metrics
 from .config import TextConfig
 from .data import PromptSampler, load_prompts
 from .generation import Rollout, TransformersGenerator
@@ -126,12 +124,7 @@ class TextGRPOTrainer:
         self.sampler.load_state_dict(ckpt.state["sampler"])
         self.step = ckpt.step
         self.resumed_from = path
-        if ckpt.config is not None:
-            now = self.cfg.model_dump(mode="json")
-            changed = sorted(k for k in set(now) | set(ckpt.config)
-                             if k not in _RESUME_FREE and now.get(k) != ckpt.config.get(k))
-            if changed:
-                warnings.warn(f"resume: the config differs from the checkpoint's in {changed}", stacklevel=2)
+        warn_config_changes(self.cfg.model_dump(mode="json"), ckpt.config, _RESUME_FREE)
         log.info("resumed from %s (step %d)", path, self.step)
 
     # --- phases ------------------------------------------------------------------------------
@@ -322,7 +315,7 @@ class TextGRPOTrainer:
 
         # policy update: num_iterations passes x mini_batches optimizer steps
         t0 = time.perf_counter()
-        metrics = _MetricAccumulator()
+        metrics = LossMetrics()
         first_pass_dev = 0.0
         checked_rows = 0
         ent_sum, ent_tokens = 0.0, 0
@@ -410,10 +403,8 @@ class TextGRPOTrainer:
 
         dump_config(cfg, self.out / "config.yaml")
         metrics_path = self.out / "metrics.jsonl"
-        if self.step > 0 and metrics_path.is_file():  # drop records written after the checkpoint
-            kept = [line for line in metrics_path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= self.step]
-            metrics_path.write_text("".join(line + "\n" for line in kept))
+        if self.step > 0:
+            truncate_metrics(metrics_path, self.step, "step")
         end = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
         history: list[dict[str, Any]] = []
         bar = tqdm(total=cfg.steps, initial=self.step, desc="text-grpo", disable=not cfg.progress)
@@ -449,37 +440,6 @@ class TextGRPOTrainer:
             self.model.save_pretrained(str(final))
             self.tokenizer.save_pretrained(str(final))
         return history
-
-
-class _MetricAccumulator:
-    """Loss-part metrics over micro-batches: token-weighted means, min/max of ratio extremes, summed losses."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = defaultdict(float)
-        self.weights: dict[str, float] = defaultdict(float)
-        self.mins: dict[str, float] = {}
-        self.maxs: dict[str, float] = {}
-
-    def add(self, metrics: Mapping[str, float], tokens: int) -> None:
-        for k, v in metrics.items():
-            if k.endswith("/min"):
-                self.mins[k] = min(self.mins.get(k, math.inf), v)
-            elif k.endswith("/max"):
-                self.maxs[k] = max(self.maxs.get(k, -math.inf), v)
-            elif k.startswith("loss/"):
-                self.sums[k] += v  # each micro-batch's loss is already divided by the global counts
-            else:
-                self.sums[k] += v * tokens
-                self.weights[k] += tokens
-
-    def result(self, optimizer_steps: int) -> dict[str, float]:
-        out: dict[str, float] = {**self.mins, **self.maxs}
-        for k, v in self.sums.items():
-            if k.startswith("loss/"):
-                out[k] = v / max(optimizer_steps, 1)
-            else:
-                out[k] = v / self.weights[k] if self.weights[k] else math.nan
-        return out
 
 
 def train_text(config: TextConfig, reward_funcs: Optional[Mapping[str, Callable]] = None) -> list[dict[str, Any]]:
