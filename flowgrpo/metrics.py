@@ -70,6 +70,17 @@ class LossMetrics:
                 self.sums[k] = self.sums.get(k, 0.0) + v * actions
                 self.weights[k] = self.weights.get(k, 0.0) + actions
 
+    def absorb(self, other: "LossMetrics") -> None:
+        """Add another accumulator's micro-batches (another rank's)."""
+        for k, v in other.mins.items():
+            self.mins[k] = min(self.mins.get(k, math.inf), v)
+        for k, v in other.maxs.items():
+            self.maxs[k] = max(self.maxs.get(k, -math.inf), v)
+        for k, v in other.sums.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v
+        for k, v in other.weights.items():
+            self.weights[k] = self.weights.get(k, 0.0) + v
+
     def result(self, optimizer_steps: int) -> dict[str, float]:
         out: dict[str, float] = {**self.mins, **self.maxs}
         for k, v in self.sums.items():

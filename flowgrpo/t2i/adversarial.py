@@ -79,7 +79,7 @@ class Discriminator:
             raise ConfigError(f"adversarial.reward '{cfg.reward}' has no trainable parameters")
         self.optimizer = torch.optim.Adam(self.params, lr=cfg.lr, betas=tuple(cfg.betas))
         self.updates = 0
-        from .distributed import Distributed
+        from ..distributed import Distributed
 
         self.dist = Distributed.from_environment()
 

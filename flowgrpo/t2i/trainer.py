@@ -44,7 +44,7 @@ from . import artifacts
 from .config import T2IConfig
 from .credit import assign_credit
 from .data import load_prompt_set
-from .distributed import Distributed
+from ..distributed import Distributed
 from .model import active_lora, build_policy, reference_context
 from .nft import nft_loss, old_decay, soft_update
 from .objectives import EdgeObjective, edge_batch

@@ -81,10 +81,27 @@ class DataConfig(StrictModel):
         return self
 
 
-class GenerationConfig(StrictModel):
-    """transformers `generate`: batched, left padding, KV cache; G samples per prompt."""
+class VLLMConfig(StrictModel):
+    """The colocated vLLM engine (`generation.backend: vllm`, GPU extra `pip install -e '.[vllm]'`).
 
-    backend: Literal["transformers"] = "transformers"
+    It runs in the training process on the same GPU; the policy's weights (LoRA merged) are loaded into
+    it after every optimizer update.
+    """
+
+    gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
+    tensor_parallel_size: int = Field(1, ge=1)
+    max_model_len: Optional[int] = None       # default: max prompt length + max_new_tokens
+    dtype: str = "auto"
+    enable_prefix_caching: bool = True        # the G samples of a prompt share its KV blocks
+    enable_sleep_mode: bool = False           # free the KV cache while the policy trains
+    enforce_eager: bool = False
+
+
+class GenerationConfig(StrictModel):
+    """G samples per prompt. `transformers`: `generate`, batched, left padding, KV cache. `vllm`: the
+    colocated vLLM engine (GPU)."""
+
+    backend: Literal["transformers", "vllm"] = "transformers"
     prompts_per_step: int = Field(2, ge=1)    # P
     group_size: int = Field(8, ge=1)          # G
     max_new_tokens: int = Field(32, ge=1)
@@ -97,6 +114,35 @@ class GenerationConfig(StrictModel):
     repetition_penalty: Optional[float] = None
     batch_size: int = Field(64, ge=1)         # sequences per generate call
     mask_truncated: bool = False              # DAPO overlong filtering: truncated completions leave the loss
+    # record the sampler's log-prob of every token (always on with vLLM): the trainer then measures
+    # how far the training forward is from it and corrects for it (`rollout_correction`)
+    rollout_logprobs: bool = False
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
+
+
+class RolloutCorrectionConfig(StrictModel):
+    """Rollout-vs-training mismatch: the engine that sampled (vLLM kernels, bf16, a KV cache) gives
+    slightly different log-probs than the training forward. With the sampler's log-probs recorded, the
+    trainer computes w = exp(logp_train_old - logp_rollout) per token and, by `mode`:
+
+    token_truncate     w_t clipped to [clip_min, clip_max] multiplies each token's policy term (TIS)
+    token_mask         tokens with w_t outside [clip_min, clip_max] leave the loss
+    sequence_truncate  one weight per completion, exp(sum_t log w_t), clipped, multiplies its tokens
+    sequence_mask      completions whose sequence weight is outside the bounds leave the loss
+    none               measured and logged only
+
+    The weights are detached (no gradient); KL and entropy terms are not weighted.
+    """
+
+    mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none"] = "token_truncate"
+    clip_min: Optional[float] = Field(None, ge=0)   # None: no lower bound (0 for the mask modes)
+    clip_max: float = Field(2.0, gt=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "RolloutCorrectionConfig":
+        if self.clip_min is not None and self.clip_min >= self.clip_max:
+            raise ValueError(f"rollout_correction: clip_min {self.clip_min} must be below clip_max {self.clip_max}")
+        return self
 
 
 class RewardSpec(PartSpec):
@@ -195,6 +241,7 @@ class TextConfig(StrictModel):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
+    rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
     ratio_check: TextRatioCheckConfig = Field(default_factory=TextRatioCheckConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     resume: bool = False
@@ -210,6 +257,9 @@ class TextConfig(StrictModel):
         dup = sorted({x for x in labels if labels.count(x) > 1})
         if dup:
             raise ValueError(f"rewards: duplicate names {dup}; give each an `alias`")
+        if self.generation.backend == "vllm" and self.model.name_or_path == "tiny":
+            raise ValueError("generation.backend vllm needs a model vLLM can load (model.name_or_path: a folder "
+                             "or hub id), not the in-code tiny model")
         return self
 
 

@@ -1,8 +1,13 @@
 """Generation backend on transformers `generate`: G samples per prompt, batched, left padding, KV cache.
 
 The result is a `Rollout`: prompt and completion token ids as padded tensors, the completion mask
-(every token up to and including the first end-of-sequence token), and which completions were cut
-by `max_new_tokens` (truncated: no end-of-sequence token).
+(every token up to and including the first end-of-sequence token), which completions were cut by
+`max_new_tokens` (truncated: no end-of-sequence token) and, when asked for, the log-prob the sampler
+gave each token (`rollout_logp`: what the rollout-vs-training mismatch check compares against).
+
+A `seed` makes a call's samples depend on that seed only (not on what ran before): the trainer seeds
+each chunk of prompts by (run seed, step, round, chunk), so a chunk samples the same completions on
+any rank of any number of processes, and after a resume.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ class Rollout:
     truncated: Tensor
     prompt_index: Tensor
     group_size: int
+    rollout_logp: Optional[Tensor] = None  # [N, Tc] the sampler's log-prob of each token (0 on padding)
 
     @property
     def num_sequences(self) -> int:
@@ -45,7 +51,8 @@ class Rollout:
         G = self.group_size
         idx = torch.tensor([g * G + j for g in groups for j in range(G)], dtype=torch.long)
         return Rollout(self.prompt_ids[idx], self.prompt_mask[idx], self.completion_ids[idx],
-                       self.completion_mask[idx], self.truncated[idx], self.prompt_index[idx], G)
+                       self.completion_mask[idx], self.truncated[idx], self.prompt_index[idx], G,
+                       None if self.rollout_logp is None else self.rollout_logp[idx])
 
     @staticmethod
     def concat(parts: Sequence["Rollout"], pad_id: int) -> "Rollout":
@@ -67,6 +74,8 @@ class Rollout:
             torch.cat([r.truncated for r in parts]),
             torch.cat([r.prompt_index for r in parts]),
             parts[0].group_size,
+            None if any(r.rollout_logp is None for r in parts)
+            else torch.cat([right(r.rollout_logp, Tc, 0.0) for r in parts]),
         )
 
 
@@ -103,6 +112,61 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
+class SampledLogprobRecorder:
+    """A logits processor that records the log-prob of each sampled token, one step late.
+
+    transformers runs user processors before its temperature / top-k / top-p warpers, so the scores seen
+    here are the model's logits; divided by the temperature they give the distribution the trainer
+    re-scores (the full temperature-scaled one). Only the previous step's [B, V] log-probs are kept: at
+    step t the token sampled at t - 1 is the last input id. `finish` reads the last token.
+    """
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.prev: Optional[Tensor] = None
+        self.columns: list[Tensor] = []
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        self._take(input_ids[:, -1])
+        self.prev = torch.log_softmax(scores.float() / self.temperature, -1)
+        return scores
+
+    def _take(self, tokens: Tensor) -> None:
+        if self.prev is not None:
+            self.columns.append(self.prev.gather(1, tokens.unsqueeze(1)).squeeze(1).cpu())
+
+    def finish(self, completion_tokens: Tensor) -> Tensor:
+        """[B, T] log-probs of `completion_tokens` (the tokens generate returned after the prompt)."""
+        if self.prev is not None:
+            self._take(completion_tokens[:, -1].to(self.prev.device))
+        self.prev = None
+        out = torch.stack(self.columns, 1) if self.columns else torch.zeros(completion_tokens.shape[0], 0)
+        self.columns = []
+        return out[:, :completion_tokens.shape[1]]
+
+
+def prompts_per_call(cfg: GenerationConfig, group_size: Optional[int] = None) -> int:
+    """Prompts per generate call: `batch_size` sequences at most, at least one prompt."""
+    return max(1, cfg.batch_size // (group_size or cfg.group_size))
+
+
+def seeded(seed: Optional[int], device: torch.device):
+    """A scope whose global RNG streams start from `seed` (CPU and the model's CUDA device) and are
+    restored afterwards; no-op without a seed."""
+    import contextlib
+
+    if seed is None:
+        return contextlib.nullcontext()
+    devices = [device] if device.type == "cuda" else []
+
+    @contextlib.contextmanager
+    def scope():
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            yield
+    return scope()
+
+
 class TransformersGenerator:
     """Samples with `model.generate` under the configured sampling settings (recorded in `settings`)."""
 
@@ -121,35 +185,54 @@ class TransformersGenerator:
 
     @property
     def settings(self) -> dict[str, float]:
-        c = self.cfg
-        out = {"sampling/temperature": c.temperature, "sampling/top_p": c.top_p, "sampling/top_k": c.top_k,
-               "sampling/max_new_tokens": c.max_new_tokens, "sampling/group_size": c.group_size}
-        if c.min_p is not None:
-            out["sampling/min_p"] = c.min_p
-        if c.repetition_penalty is not None:
-            out["sampling/repetition_penalty"] = c.repetition_penalty
-        return out
+        return sampling_settings(self.cfg)
+
+    def sync_weights(self) -> None:
+        """Nothing to do: generate runs on the policy itself."""
 
     @torch.no_grad()
     def generate(self, prompt_ids: Sequence[Sequence[int]], prompt_index: Sequence[int],
-                 group_size: Optional[int] = None) -> Rollout:
+                 group_size: Optional[int] = None, seed: Optional[int] = None) -> Rollout:
+        from transformers import LogitsProcessorList
+
         G = group_size or self.cfg.group_size
-        per_call = max(1, self.cfg.batch_size // G)
+        per_call = prompts_per_call(self.cfg, G)
         device = next(self.model.parameters()).device
         parts = []
-        for start in range(0, len(prompt_ids), per_call):
-            chunk = prompt_ids[start:start + per_call]
-            ids, mask = left_pad(chunk, self.pad_id)
-            self.hf_config.num_return_sequences = G
-            out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                      generation_config=self.hf_config)
-            tokens = out[:, ids.shape[1]:].cpu()
-            cmask, truncated = completion_mask(tokens, self.eos_ids)
-            index = torch.as_tensor(list(prompt_index[start:start + per_call]), dtype=torch.long)
-            parts.append(Rollout(ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0), tokens, cmask,
-                                 truncated, index.repeat_interleave(G), G))
-        rollout = Rollout.concat(parts, self.pad_id)
-        # tokens after the end of a completion are padding, whatever generate filled in
-        rollout.completion_ids = torch.where(rollout.completion_mask, rollout.completion_ids,
-                                             torch.full_like(rollout.completion_ids, self.pad_id))
-        return rollout
+        with seeded(seed, device):
+            for start in range(0, len(prompt_ids), per_call):
+                chunk = prompt_ids[start:start + per_call]
+                ids, mask = left_pad(chunk, self.pad_id)
+                self.hf_config.num_return_sequences = G
+                recorder = SampledLogprobRecorder(self.cfg.temperature) if self.cfg.rollout_logprobs else None
+                out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                          generation_config=self.hf_config,
+                                          logits_processor=LogitsProcessorList([recorder]) if recorder else None)
+                tokens = out[:, ids.shape[1]:].cpu()
+                cmask, truncated = completion_mask(tokens, self.eos_ids)
+                index = torch.as_tensor(list(prompt_index[start:start + per_call]), dtype=torch.long)
+                parts.append(Rollout(ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0), tokens, cmask,
+                                     truncated, index.repeat_interleave(G), G,
+                                     recorder.finish(tokens) if recorder else None))
+        return finalize(Rollout.concat(parts, self.pad_id), self.pad_id)
+
+
+def finalize(rollout: Rollout, pad_id: int) -> Rollout:
+    """Tokens after the end of a completion become padding (whatever the engine filled in), their
+    rollout log-probs 0."""
+    m = rollout.completion_mask
+    rollout.completion_ids = torch.where(m, rollout.completion_ids, torch.full_like(rollout.completion_ids, pad_id))
+    if rollout.rollout_logp is not None:
+        rollout.rollout_logp = torch.where(m, rollout.rollout_logp, torch.zeros_like(rollout.rollout_logp))
+    return rollout
+
+
+def sampling_settings(cfg: GenerationConfig) -> dict[str, float]:
+    """The sampling settings, as metrics of every step."""
+    out = {"sampling/temperature": cfg.temperature, "sampling/top_p": cfg.top_p, "sampling/top_k": cfg.top_k,
+           "sampling/max_new_tokens": cfg.max_new_tokens, "sampling/group_size": cfg.group_size}
+    if cfg.min_p is not None:
+        out["sampling/min_p"] = cfg.min_p
+    if cfg.repetition_penalty is not None:
+        out["sampling/repetition_penalty"] = cfg.repetition_penalty
+    return out

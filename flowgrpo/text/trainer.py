@@ -36,6 +36,7 @@ from typing import Any, Callable, Mapping, Optional
 import numpy as np
 import torch
 
+from ..distributed import Distributed
 from ..checkpoint import latest_checkpoint, load_checkpoint, load_into, save_checkpoint, warn_config_changes
 from ..config import ConfigError, dump_config
 from ..core import GroupBatch, LossInputs, LossNormalizer, compute_advantages, policy_loss
@@ -43,11 +44,12 @@ from ..core.stats import masked_std
 from ..metrics import LossMetrics, MetricsWriter, truncate_metrics
 from .config import TextConfig
 from .data import PromptSampler, load_prompts
-from .generation import Rollout, TransformersGenerator
-from .logprobs import batch_logprobs, micro_logprobs, shared_prompt_deviation
-from .models import load_policy, reference_policy, trainable_state
+from .generation import Rollout, TransformersGenerator, eos_token_ids, prompts_per_call
+from .logprobs import micro_logprobs, shared_prompt_deviation
+from .models import load_policy, reference_policy, resolve_model_path, trainable_state
 from .optim import build_optimizer
 from .rewards import RewardScores, build_rewards, score_completions
+from .rollout_correction import correction_weights, mismatch_metrics
 
 log = logging.getLogger(__name__)
 
@@ -72,16 +74,17 @@ class TextGRPOTrainer:
         np.random.seed(cfg.seed % 2**32)
         torch.manual_seed(cfg.seed)
 
+        self.dist = Distributed.from_environment()
         self.out = Path(cfg.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.out / "checkpoints"
 
         self.tokenizer, self.model = load_policy(cfg.model)
         self.device = next(self.model.parameters()).device
-        self.generator = TransformersGenerator(self.model, self.tokenizer, cfg.generation)
+        self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         try:
             self.rewards = build_rewards(cfg.rewards, extra=reward_funcs, context={
-                "max_tokens": cfg.generation.max_new_tokens, "eos_token_ids": self.generator.eos_ids,
+                "max_tokens": cfg.generation.max_new_tokens, "eos_token_ids": self.eos_ids,
                 "tokenizer": self.tokenizer, "device": str(self.device)})
         except ValueError as err:
             raise ConfigError(f"rewards: {err}") from None
@@ -89,6 +92,7 @@ class TextGRPOTrainer:
         self.data = load_prompts(cfg.data, self.tokenizer, context_length=context,
                                  max_new_tokens=cfg.generation.max_new_tokens,
                                  required_columns={r.name: r.columns for r in self.rewards})
+        self.generator = self._build_generator()
         self.sampler = PromptSampler(len(self.data), cfg.seed, cfg.data.shuffle)
         self.params, self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.steps)
         self.use_kl = cfg.loss.kl.coef != 0
@@ -100,13 +104,35 @@ class TextGRPOTrainer:
         if cfg.resume:
             self._resume()
 
+    def _build_generator(self):
+        gen = self.cfg.generation
+        if gen.backend == "transformers":
+            return TransformersGenerator(self.model, self.tokenizer, gen)
+        from .vllm_backend import VLLMGenerator
+
+        m = self.cfg.model
+        if m.gguf_file and not m.gguf_cache_dir:
+            raise ConfigError("generation.backend vllm with model.gguf_file needs model.gguf_cache_dir (vLLM "
+                              "loads the de-quantised safetensors copy)")
+        path = m.gguf_cache_dir if m.gguf_file else resolve_model_path(m.name_or_path)
+        longest = max(len(ids) for ids in self.data.prompt_ids)
+        generator = VLLMGenerator(self.model, self.tokenizer, gen, model_path=path, max_prompt_len=longest)
+        generator.sync_weights()  # LoRA / resumed weights: the engine loaded the base model only
+        return generator
+
     def _base_config(self):
         model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         return model.config
 
     # --- checkpoints -------------------------------------------------------------------------
 
-    def save(self) -> Path:
+    def save(self) -> Optional[Path]:
+        """Rank 0 writes the checkpoint (every rank holds the same weights); the others wait for it."""
+        path = self._save() if self.dist.is_main else None
+        self.dist.barrier()
+        return path
+
+    def _save(self) -> Path:
         return save_checkpoint(
             self.ckpt_dir, self.step,
             tensors={"model": trainable_state(self.model)},
@@ -126,6 +152,7 @@ class TextGRPOTrainer:
         self.resumed_from = path
         warn_config_changes(self.cfg.model_dump(mode="json"), ckpt.config, _RESUME_FREE)
         log.info("resumed from %s (step %d)", path, self.step)
+        self.generator.sync_weights()
 
     # --- phases ------------------------------------------------------------------------------
 
@@ -150,6 +177,32 @@ class TextGRPOTrainer:
                           reward_names=[r.name for r in self.rewards], lengths=rollout.lengths.view(P, G).float(),
                           head_nan_policy=self.cfg.advantage.head_nan_policy)
 
+    def _chunk_seed(self, round_: int, chunk: int) -> int:
+        """The sampling seed of a chunk of prompts: the same on any rank, for any number of ranks, after a resume."""
+        return int(np.random.SeedSequence([self.cfg.seed, self.step, round_, chunk]).generate_state(1)[0])
+
+    def _generate_and_score(self, index: list[int], round_: int) -> tuple[Rollout, RewardScores, float, float]:
+        """Chunk c of the prompts is sampled (with its own seed) and scored on rank c % world_size; every
+        rank gets the whole batch back in chunk order. Returns the local generate / reward seconds too."""
+        per_call = prompts_per_call(self.cfg.generation)
+        chunks = [index[s:s + per_call] for s in range(0, len(index), per_call)]
+        local, t_gen, t_rew = [], 0.0, 0.0
+        for c in self.dist.my_chunks(len(chunks)):
+            t0 = time.perf_counter()
+            rollout = self.generator.generate([self.data.prompt_ids[i] for i in chunks[c]], chunks[c],
+                                              seed=self._chunk_seed(round_, c))
+            t1 = time.perf_counter()
+            local.append((c, rollout, self._score(rollout)))
+            t_gen += t1 - t0
+            t_rew += time.perf_counter() - t1
+        parts = sorted(self.dist.gather_objects(local), key=lambda item: item[0])
+        rollout = Rollout.concat([r for _, r, _ in parts], self.generator.pad_id)
+        scores = [sc for _, _, sc in parts]
+        merged = RewardScores(torch.cat([sc.values for sc in scores]),
+                              [sum(col) for col in zip(*(sc.none_counts for sc in scores))],
+                              [sum(col) for col in zip(*(sc.error_counts for sc in scores))])
+        return rollout, merged, t_gen, t_rew
+
     def _collect(self, record: dict) -> tuple[Optional[Rollout], Optional[RewardScores]]:
         """Generate and score P groups; with dynamic sampling, keep only groups whose rewards vary."""
         cfg, ds = self.cfg.generation, self.cfg.dynamic_sampling
@@ -161,12 +214,9 @@ class TextGRPOTrainer:
         errors = [0] * len(self.rewards)
         while True:
             index = self.sampler.next(P)
-            t0 = time.perf_counter()
-            rollout = self.generator.generate([self.data.prompt_ids[i] for i in index], index)
-            t1 = time.perf_counter()
-            scores = self._score(rollout)
-            t_gen += t1 - t0
-            t_rew += time.perf_counter() - t1
+            rollout, scores, dt_gen, dt_rew = self._generate_and_score(index, rounds)
+            t_gen += dt_gen
+            t_rew += dt_rew
             generated += P
             nones = [a + b for a, b in zip(nones, scores.none_counts)]
             errors = [a + b for a, b in zip(errors, scores.error_counts)]
@@ -185,7 +235,9 @@ class TextGRPOTrainer:
             if n_kept >= P or rounds >= ds.max_extra_rounds:
                 break
             rounds += 1
-        record.update({"time/generate": t_gen, "time/reward": t_rew, "count/generated_groups": generated,
+        # seconds: the slowest rank's (the others wait for it at the gather)
+        record.update({"time/generate": self.dist.max(t_gen), "time/reward": self.dist.max(t_rew),
+                       "count/generated_groups": generated,
                        "count/reward_calls": len(self.rewards) * (generated // P)})
         for r, n, e in zip(self.rewards, nones, errors):
             record[f"rewards/{r.name}/none_count"] = n
@@ -208,6 +260,7 @@ class TextGRPOTrainer:
         deviation = shared_prompt_deviation(self.model, rollout, rows, self.cfg.generation.temperature) \
             if shares else math.inf
         counts["count/forward_nograd"] += 2 if shares else 0  # once per run: plain + shared pass
+        deviation = self.dist.max(deviation)  # every rank decides the same
         self.shared_prompt = deviation <= self.cfg.ratio_check.tolerance / 10
         record["check/shared_prompt_deviation"] = deviation
         log.info("shared-prompt forward %s (max |log-prob difference| to the plain forward: %.2e)",
@@ -222,6 +275,49 @@ class TextGRPOTrainer:
         """Rows with A = 0 add nothing to the gradient unless a KL / entropy term or a local normaliser is used."""
         return (not self.use_kl and not self.cfg.loss.entropy_coef
                 and self.cfg.loss.aggregation.name != "local_token_mean")
+
+    def _micro_batches(self, mini: torch.Tensor, live: torch.Tensor) -> list[torch.Tensor]:
+        rows = mini[live[mini]]
+        return list(rows.split(self.cfg.train.micro_batch_size)) if rows.numel() else []
+
+    def _all_logprobs(self, model, rollout: Rollout, shared: bool, counts: dict,
+                      with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """No-grad log-probs (and entropies) [N, Tc] of the whole rollout on CPU: row block b of
+        `logprob_batch_size` sequences on rank b % world_size, gathered on every rank."""
+        size = self.cfg.train.logprob_batch_size or self.cfg.train.micro_batch_size
+        N = rollout.num_sequences
+        blocks = [torch.arange(s, min(s + size, N)) for s in range(0, N, size)]
+        local = []
+        with torch.no_grad():
+            for b in self.dist.my_chunks(len(blocks)):
+                lp, ent = micro_logprobs(model, rollout, blocks[b], self.cfg.generation.temperature,
+                                         with_entropy, shared_prompt=shared)
+                local.append((b, lp.cpu(), None if ent is None else ent.cpu()))
+        counts["count/forward_nograd"] += len(local)
+        parts = sorted(self.dist.gather_objects(local), key=lambda item: item[0])
+        logp = torch.cat([lp for _, lp, _ in parts])
+        return logp, (torch.cat([e for _, _, e in parts]) if with_entropy else None)
+
+    @staticmethod
+    def _first_pass_deviation(logp: torch.Tensor, old: torch.Tensor, m: torch.Tensor, micro: torch.Tensor,
+                              checked_at: torch.Tensor, check_logp: Optional[torch.Tensor],
+                              have_old: bool) -> tuple[float, int]:
+        """max |ratio - 1| of a micro-batch before any optimizer step, and how many sequences it covered:
+        against the old pass when there is one, else against the re-scored check rows."""
+        if have_old:
+            if not bool(m.any()):
+                return 0.0, 0
+            return float(((logp - old)[m].exp() - 1).abs().max()), int(m.any(1).sum())
+        if check_logp is None:
+            return 0.0, 0
+        at = checked_at[micro]
+        sel = at >= 0
+        if not bool(sel.any()):
+            return 0.0, 0
+        ms = m[sel.to(m.device)]
+        diff = logp[sel.to(logp.device)] - check_logp[at[sel]].to(logp.device)
+        dev = float((diff[ms].exp() - 1).abs().max()) if bool(ms.any()) else 0.0
+        return dev, int(sel.sum())
 
     # --- one step ----------------------------------------------------------------------------
 
@@ -259,14 +355,10 @@ class TextGRPOTrainer:
         if cfg.generation.mask_truncated:
             mask &= ~rollout.truncated.unsqueeze(1)
         temp = cfg.generation.temperature
-        lp_batch = cfg.train.logprob_batch_size or cfg.train.micro_batch_size
         counts = {k: 0 for k in ("count/forward_nograd", "count/forward_grad", "count/backward",
                                  "count/optimizer_steps")}
         advantages = adv.advantages.reshape(N)
-        sample_weight = adv.sample_weight.reshape(N)
-        live = mask.any(1) & (sample_weight > 0)
-        if self._skip_zero_advantage():
-            live &= advantages != 0
+        sample_weight = adv.sample_weight.reshape(N, 1).expand(mask.shape).clone()
         # the order of every pass, fixed up front: the on-policy check needs the first rows trained on
         orders = []
         for it in range(cfg.train.num_iterations):
@@ -283,37 +375,48 @@ class TextGRPOTrainer:
         shared = self.shared_prompt
         logp_old = entropy = logp_ref = check_rows = check_logp = None
         check = cfg.ratio_check.enabled
-        if self._needs_old_logp() or (check and cfg.ratio_check.rows is None):
-            logp_old, entropy = batch_logprobs(self.model, rollout, temp, lp_batch, with_entropy=True,
-                                               shared_prompt=shared)
-            counts["count/forward_nograd"] += math.ceil(N / lp_batch)
-        elif check:
+        corrected = rollout.rollout_logp is not None
+        if self._needs_old_logp() or corrected or (check and cfg.ratio_check.rows is None):
+            logp_old, entropy = self._all_logprobs(self.model, rollout, shared, counts, with_entropy=True)
+        if self.use_kl:
+            with self.reference() as ref_model:
+                logp_ref, _ = self._all_logprobs(ref_model, rollout, shared, counts)
+        if corrected:
+            # the sampler's log-probs against the training forward's, and the importance weights
+            record.update(mismatch_metrics(logp_old, rollout.rollout_logp, mask))
+            weights, corr_metrics = correction_weights(logp_old, rollout.rollout_logp, mask, cfg.rollout_correction)
+            record.update(corr_metrics)
+            sample_weight = sample_weight * weights
+        live = (mask & (sample_weight > 0)).any(1)
+        if self._skip_zero_advantage():
+            live &= advantages != 0
+        micro_plan = [[(mini, self._micro_batches(mini, live)) for mini in order.chunk(cfg.train.mini_batches)]
+                      for order in orders]
+        if logp_old is None and check:
             # one update per batch: the loss takes the detached current log-probs as the old ones (as TRL
-            # does), and only a few sequences of the first micro-batch are re-scored for the check
-            first = orders[0].chunk(cfg.train.mini_batches)[0]
-            check_rows = first[live[first]][:min(cfg.train.micro_batch_size, cfg.ratio_check.rows)]
+            # does), and only a few sequences of this rank's first micro-batch are re-scored for the check
+            mine = [m for k, m in enumerate(micro_plan[0][0][1]) if k % self.dist.world_size == self.dist.rank]
+            check_rows = mine[0][:cfg.ratio_check.rows] if mine else torch.zeros(0, dtype=torch.long)
             if check_rows.numel():
                 with torch.no_grad():
                     check_logp, _ = micro_logprobs(self.model, rollout, check_rows, temp, shared_prompt=shared)
                 counts["count/forward_nograd"] += 1
-        if self.use_kl:
-            with self.reference() as ref_model:
-                logp_ref, _ = batch_logprobs(ref_model, rollout, temp, lp_batch, shared_prompt=shared)
-            counts["count/forward_nograd"] += math.ceil(N / lp_batch)
         record["time/logprob"] = time.perf_counter() - t0
 
         dev = self.device
         full = LossInputs(
             logp=torch.zeros(mask.shape, device=dev), logp_old=torch.zeros(mask.shape, device=dev)
-            if logp_old is None else logp_old, advantages=advantages.to(dev),
-            mask=mask.to(dev), sample_weight=sample_weight.to(dev), logp_ref=logp_ref)
+            if logp_old is None else logp_old.to(dev), advantages=advantages.to(dev),
+            mask=mask.to(dev), sample_weight=sample_weight.to(dev),
+            logp_ref=None if logp_ref is None else logp_ref.to(dev))
         if entropy is not None:
-            record["entropy/mean"] = float(entropy[full.mask].mean()) if bool(full.mask.any()) else math.nan
+            record["entropy/mean"] = float(entropy[mask].mean()) if bool(mask.any()) else math.nan
         checked_at = torch.full((N,), -1, dtype=torch.long)  # row -> its index in check_rows
         if check_rows is not None:
             checked_at[check_rows] = torch.arange(check_rows.numel())
 
-        # policy update: num_iterations passes x mini_batches optimizer steps
+        # policy update: num_iterations passes x mini_batches optimizer steps; micro-batch k of a
+        # mini-batch runs on rank k % world_size, gradients are summed over ranks before the step
         t0 = time.perf_counter()
         metrics = LossMetrics()
         first_pass_dev = 0.0
@@ -321,12 +424,13 @@ class TextGRPOTrainer:
         ent_sum, ent_tokens = 0.0, 0
         grad_norms = []
         on_policy = True  # until the first optimizer step
-        for it, order in enumerate(orders):
-            for mini in order.chunk(cfg.train.mini_batches):
+        for it, minis in enumerate(micro_plan):
+            for mini, micros in minis:
                 norm = LossNormalizer.from_inputs(full.split(mini), const_len=cfg.generation.max_new_tokens)
                 self.optimizer.zero_grad(set_to_none=True)
-                rows_live = mini[live[mini]]
-                for micro in rows_live.split(cfg.train.micro_batch_size) if rows_live.numel() else ():
+                for k, micro in enumerate(micros):
+                    if k % self.dist.world_size != self.dist.rank:
+                        continue
                     # entropy: for the loss (with grad), or as a metric of the first pass when no old pass gave it
                     ent_metric = entropy is None and it == 0
                     logp, ent = micro_logprobs(self.model, rollout, micro, temp,
@@ -339,30 +443,31 @@ class TextGRPOTrainer:
                         ent_tokens += int(m.sum())
                     old = full.logp_old[micro] if logp_old is not None else logp.detach()
                     if on_policy and check:
-                        if logp_old is not None and bool(m.any()):
-                            dev_ = ((logp.detach() - old)[m].exp() - 1).abs().max()
-                            first_pass_dev = max(first_pass_dev, float(dev_))
-                            checked_rows += int(m.any(1).sum())
-                        elif check_logp is not None:
-                            at = checked_at[micro]
-                            sel = at >= 0
-                            if bool(sel.any()):
-                                ms = m[sel.to(m.device)]
-                                diff = logp.detach()[sel.to(dev)] - check_logp[at[sel]].to(dev)
-                                if bool(ms.any()):
-                                    first_pass_dev = max(first_pass_dev, float((diff[ms].exp() - 1).abs().max()))
-                                checked_rows += int(sel.sum())
+                        dev_, rows_ = self._first_pass_deviation(logp.detach(), old, m, micro, checked_at,
+                                                                 check_logp, logp_old is not None)
+                        first_pass_dev, checked_rows = max(first_pass_dev, dev_), checked_rows + rows_
                     inputs = replace(full.split(micro), logp=logp, logp_old=old,
                                      entropy=ent if cfg.loss.entropy_coef else None)
                     out = policy_loss(inputs, cfg.loss, norm)
                     out.loss.backward()
                     counts["count/backward"] += 1
                     metrics.add(out.metrics, int(m.sum()))
+                self.dist.all_reduce_grads(self.params)
                 max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm is not None else math.inf
                 grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.params, max_norm)))
                 self.optimizer.step()
                 counts["count/optimizer_steps"] += 1
                 on_policy = False
+        self.generator.sync_weights()
+        if self.dist.active:  # every rank's share of the metrics and counts
+            merged = LossMetrics()
+            for part in self.dist.gather_objects([metrics]):
+                merged.absorb(part)
+            metrics = merged
+            for key in ("count/forward_nograd", "count/forward_grad", "count/backward"):
+                counts[key] = int(self.dist.sum(counts[key]))
+            ent_sum, ent_tokens = self.dist.sum(ent_sum), int(self.dist.sum(ent_tokens))
+            first_pass_dev, checked_rows = self.dist.max(first_pass_dev), int(self.dist.sum(checked_rows))
         if entropy is None and ent_tokens:
             record["entropy/mean"] = ent_sum / ent_tokens
         record["time/train"] = time.perf_counter() - t0
@@ -401,41 +506,46 @@ class TextGRPOTrainer:
         cfg = self.cfg
         from tqdm.auto import tqdm
 
-        dump_config(cfg, self.out / "config.yaml")
+        main = self.dist.is_main  # rank 0 writes the config, metrics, checkpoints and the final model
         metrics_path = self.out / "metrics.jsonl"
-        if self.step > 0:
-            truncate_metrics(metrics_path, self.step, "step")
+        if main:
+            dump_config(cfg, self.out / "config.yaml")
+            if self.step > 0:
+                truncate_metrics(metrics_path, self.step, "step")
         end = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
         history: list[dict[str, Any]] = []
-        bar = tqdm(total=cfg.steps, initial=self.step, desc="text-grpo", disable=not cfg.progress)
+        bar = tqdm(total=cfg.steps, initial=self.step, desc="text-grpo", disable=not (cfg.progress and main))
         saved_at = ckpt_seconds = None
-        with MetricsWriter(metrics_path, append=self.step > 0) as writer:
-            try:
-                while self.step < end:
-                    record = self.train_step()
-                    if ckpt_seconds is not None:  # the save that followed the previous step
-                        record["time/checkpoint"], ckpt_seconds = ckpt_seconds, None
-                    # the record goes out before the checkpoint: a crash in between leaves a record
-                    # newer than the checkpoint, which a resumed run drops and writes again
+        writer = MetricsWriter(metrics_path, append=self.step > 0) if main else None
+        try:
+            while self.step < end:
+                record = self.train_step()
+                if ckpt_seconds is not None:  # the save that followed the previous step
+                    record["time/checkpoint"], ckpt_seconds = ckpt_seconds, None
+                # the record goes out before the checkpoint: a crash in between leaves a record
+                # newer than the checkpoint, which a resumed run drops and writes again
+                if writer is not None:
                     writer.write(record)
-                    history.append(record)
-                    every = cfg.checkpoint.every
-                    if (every and self.step % every == 0) or self.step == end:
-                        t0 = time.perf_counter()
-                        self.save()
-                        saved_at = self.step
-                        ckpt_seconds = time.perf_counter() - t0
-                    bar.update(1)
-                    bar.set_postfix(reward=f"{record.get('reward_mean', math.nan):.3f}",
-                                    len=f"{record.get('completions/mean_length', math.nan):.1f}")
-            except KeyboardInterrupt:
-                if self.step > 0 and saved_at != self.step and not self._in_step:
-                    log.warning("interrupted: saving a checkpoint at step %d", self.step)
+                history.append(record)
+                every = cfg.checkpoint.every
+                if (every and self.step % every == 0) or self.step == end:
+                    t0 = time.perf_counter()
                     self.save()
-                raise
-            finally:
-                bar.close()
-        if self.step >= cfg.steps and cfg.checkpoint.save_final_model:
+                    saved_at = self.step
+                    ckpt_seconds = time.perf_counter() - t0
+                bar.update(1)
+                bar.set_postfix(reward=f"{record.get('reward_mean', math.nan):.3f}",
+                                len=f"{record.get('completions/mean_length', math.nan):.1f}")
+        except KeyboardInterrupt:
+            if self.step > 0 and saved_at != self.step and not self._in_step and main:
+                log.warning("interrupted: saving a checkpoint at step %d", self.step)
+                self._save()
+            raise
+        finally:
+            bar.close()
+            if writer is not None:
+                writer.close()
+        if self.step >= cfg.steps and cfg.checkpoint.save_final_model and main:
             final = self.out / "final"
             self.model.save_pretrained(str(final))
             self.tokenizer.save_pretrained(str(final))

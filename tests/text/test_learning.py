@@ -69,15 +69,16 @@ def test_ratio_check_warns_loudly_when_off_policy(tiny_config, monkeypatch):
     """Shift the old log-probs by 0.01: the check reports the deviation and warns."""
     import flowgrpo.text.trainer as trainer_mod
 
-    real = trainer_mod.batch_logprobs
+    real = trainer_mod.TextGRPOTrainer._all_logprobs
 
     def shifted(*args, **kwargs):
         logp, ent = real(*args, **kwargs)
         return logp + 0.01, ent
 
-    monkeypatch.setattr(trainer_mod, "batch_logprobs", shifted)
+    monkeypatch.setattr(trainer_mod.TextGRPOTrainer, "_all_logprobs", shifted)
     with pytest.warns(OnPolicyRatioWarning, match="ON-POLICY CHECK FAILED"):
         history = train_text(tiny_config("steps=1", "checkpoint.every=0"))
+    assert history[0]["check/rows"] > 0
     assert abs(history[0]["check/first_pass_ratio_dev"] - (1 - math.exp(-0.01))) < 1e-4
 
 

@@ -1,11 +1,14 @@
 """Data parallelism over rollout batches, identical in result to one process with the same global batch.
 
-Rollout batch c (a fixed set of prompts with its own noise seed) runs on rank c % world_size, so a
+Used by both trainers. Image side: rollout batch c (a fixed set of prompts with its own noise seed) runs on rank c % world_size, so a
 sample's noise never depends on the number of processes. Rewards are gathered per batch, so every rank
 computes the same advantages over the whole batch (group and batch statistics are global). The trained
 edges keep their global order; each rank back-propagates the edges of its own batches with the global
 loss normaliser, and gradients are summed over ranks before the optimizer step. Launched by
 `accelerate launch` / torchrun (env RANK, WORLD_SIZE, MASTER_ADDR); gloo on CPU, nccl on GPU.
+
+Text side: the same scheme with chunks of prompts (each seeded by its chunk), the whole rollout
+gathered on every rank, and micro-batch k of every mini-batch on rank k % world_size.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ class Distributed:
         if world <= 1:
             return cls()
         if not dist.is_initialized():
+            if torch.cuda.is_available():
+                # one GPU per process: collectives and `device: auto` use this rank's GPU
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         return cls(dist.get_rank(), dist.get_world_size())
 
@@ -78,6 +84,25 @@ class Distributed:
 
     def reduce_normalizer(self, norm):
         return norm.all_reduce() if self.active else norm
+
+    def gather_objects(self, local: list) -> list:
+        """Every rank's list of picklable items, concatenated in rank order (the local list alone in one process)."""
+        if not self.active:
+            return list(local)
+        import torch.distributed as dist
+
+        parts: list = [None] * self.world_size
+        dist.all_gather_object(parts, local)
+        return [item for part in parts for item in part]
+
+    def max(self, value: float) -> float:
+        if not self.active:
+            return value
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
 
     def sum(self, value: float) -> float:
         if not self.active:
