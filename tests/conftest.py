@@ -17,3 +17,37 @@ torch.set_num_threads(2)
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def launch_ranks():
+    """`launch_ranks(script, args, world)`: run scripts/<script> in `world` processes (gloo, as torchrun
+    would set them up) and fail with the stderr tail of a rank that exits non-zero."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+
+    def launch(script: str, args: list[str], world: int, timeout: float = 600) -> None:
+        port = _free_port()
+        procs = []
+        for rank in range(world):
+            env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(root), "WORLD_SIZE": str(world),
+                   "RANK": str(rank), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(port)}
+            cmd = [sys.executable, str(root / "scripts" / script), *args]
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        for p in procs:
+            _, err = p.communicate(timeout=timeout)
+            assert p.returncode == 0, err.decode()[-3000:]
+
+    return launch

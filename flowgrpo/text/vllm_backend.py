@@ -117,7 +117,7 @@ class VLLMGenerator:
             logprobs=0,  # the sampled token's log-prob only
             # vLLM gives the j-th sample seed + j: prompts are spaced by G so that no two samples of a
             # call share a random stream (the same seed for all would correlate the prompts' samples)
-            seed=None if seed is None else seed, stop_token_ids=list(self.eos_ids),
+            seed=None if seed is None else seed + index * G, stop_token_ids=list(self.eos_ids),
         )
 
     @torch.no_grad()

@@ -1,9 +1,5 @@
 """Two processes (gloo) give the same advantages and the same update as one process with the same global batch."""
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,24 +14,8 @@ ARGS = ["iterations=2", "prompts_per_iteration=4", "rollout_prompts=1", "num_thr
         "train.mini_batches=2", "train.micro_batch_size=7", "advantage.estimator.std_scope=batch"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(out: Path, world: int) -> None:
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "WORLD_SIZE": str(world),
-               "RANK": str(rank), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        cmd = [sys.executable, str(ROOT / "scripts" / "train_t2i.py"), str(ROOT / "configs/t2i/tiny/flow_grpo.yaml"),
-               f"output_dir={out}", *ARGS]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-    for p in procs:
-        _, err = p.communicate(timeout=600)
-        assert p.returncode == 0, err.decode()[-3000:]
+def _launch(launch_ranks, out: Path, world: int) -> None:
+    launch_ranks("train_t2i.py", [str(ROOT / "configs/t2i/tiny/flow_grpo.yaml"), f"output_dir={out}", *ARGS], world)
 
 
 def _policy(out: Path) -> dict[str, torch.Tensor]:
@@ -44,10 +24,10 @@ def _policy(out: Path) -> dict[str, torch.Tensor]:
     return load_file(latest_checkpoint(out / "checkpoints") / "tensors.policy.safetensors")
 
 
-def test_two_processes_match_one(tmp_path):
+def test_two_processes_match_one(tmp_path, launch_ranks):
     one, two = tmp_path / "one", tmp_path / "two"
-    _launch(one, 1)
-    _launch(two, 2)
+    _launch(launch_ranks, one, 1)
+    _launch(launch_ranks, two, 2)
     m1, m2 = read_metrics(one / "metrics.jsonl"), read_metrics(two / "metrics.jsonl")
     assert [r["iteration"] for r in m2] == [1, 2]
     for a, b in zip(m1, m2):
