@@ -10,6 +10,7 @@ import copy
 import os
 import sys
 import types
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -22,6 +23,7 @@ from flowgrpo.text.vllm_backend import VLLMGenerator, _engine_model
 PROMPTS = [[72, 105, 33], [65, 66], [49, 50, 51, 52, 53]]
 INDEX = [10, 11, 12]
 G = 4
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Logprob:
@@ -298,3 +300,62 @@ def test_engine_logprob_offset_reaches_rollout(monkeypatch, tiny):
             logits = model(seq).logits[0, len(p) - 1:len(p) - 1 + L].float() / 0.8
             true = torch.log_softmax(logits, -1).gather(1, seq[0, len(p):].unsqueeze(1)).squeeze(1)
             torch.testing.assert_close(r.rollout_logp[row, :L], true + 0.25, rtol=0, atol=1e-4)
+
+
+class SyncedEngineModel(FakeEngineModel):
+    """An engine model that really takes the weights it is given: the fake then samples from the policy."""
+
+    def __init__(self, events, policy_copy):
+        super().__init__(events)
+        self.policy_copy = policy_copy
+
+    def load_weights(self, weights):
+        super().load_weights(weights)
+        self.policy_copy.load_state_dict(dict(self.loaded[-1]), strict=True)
+
+
+def test_trainer_on_the_vllm_backend_learns_and_corrects_the_engine_mismatch(monkeypatch, tmp_path):
+    """The whole trainer with `generation.backend: vllm` (the fake engine, synced after every update):
+    the engine's log-probs are off by +0.3, the trainer measures that and weights the tokens by
+    exp(-0.3); the policy still learns the pattern task, and the engine ends with the policy's weights."""
+    from flowgrpo.text import TextGRPOTrainer, load_text_config
+
+    tok = build_tiny_tokenizer()
+    folder = tmp_path / "tiny_model"
+    build_tiny_model(TinyModelConfig(), len(tok), tok.eos_token_id).save_pretrained(folder)
+    tok.save_pretrained(folder)
+
+    class Synced(FakeLLM):
+        eos_bias, logprob_offset, instances = 0.0, 0.3, []
+
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.engine_model = SyncedEngineModel(self.events, self.model)
+            worker = SimpleNamespace(model_runner=SimpleNamespace(model=self.engine_model))
+            self.llm_engine = SimpleNamespace(
+                model_executor=SimpleNamespace(driver_worker=SimpleNamespace(worker=worker)))
+
+    mod = fake_vllm()
+    mod.LLM = Synced
+    monkeypatch.setitem(sys.modules, "vllm", mod)
+    cfg = load_text_config(ROOT / "configs/text/tiny_pattern.yaml", [
+        f"output_dir={tmp_path / 'run'}", "progress=false", "num_threads=1", "steps=12", "checkpoint.every=0",
+        f"model.name_or_path={folder}", "generation.backend=vllm", "generation.max_new_tokens=16"])
+    trainer = TextGRPOTrainer(cfg)
+    history = trainer.train()
+    engine = Synced.instances[-1]
+    assert engine.kwargs["logprobs_mode"] == "processed_logprobs"
+    assert engine.events.count("load_weights") == 1 + 12  # at start, then after every step's updates
+    for r in history:
+        assert r["mismatch/logp_diff_mean"] == pytest.approx(0.3, abs=1e-4)
+        assert r["mismatch/token_ratio_mean"] == pytest.approx(torch.exp(torch.tensor(-0.3)).item(), abs=1e-4)
+        assert r["mismatch/weight_mean"] == pytest.approx(r["mismatch/token_ratio_mean"], abs=1e-6)
+        assert r["check/first_pass_ratio_dev"] < 1e-4  # the training passes themselves stay on-policy
+    rewards = [r["reward_mean"] for r in history]
+    assert sum(rewards[-3:]) / 3 > 0.2 > sum(rewards[:3]) / 3, rewards
+    # the engine samples from exactly the trained weights
+    final = dict(engine.engine_model.loaded[-1])
+    policy_state = trainer.model.state_dict()
+    assert final.keys() == policy_state.keys()
+    for name, tensor in final.items():
+        assert torch.equal(policy_state[name], tensor), name
