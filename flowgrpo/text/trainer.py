@@ -186,16 +186,28 @@ class TextGRPOTrainer:
         rank gets the whole batch back in chunk order. Returns the local generate / reward seconds too."""
         per_call = prompts_per_call(self.cfg.generation)
         chunks = [index[s:s + per_call] for s in range(0, len(index), per_call)]
-        local, t_gen, t_rew = [], 0.0, 0.0
-        for c in self.dist.my_chunks(len(chunks)):
-            t0 = time.perf_counter()
-            rollout = self.generator.generate([self.data.prompt_ids[i] for i in chunks[c]], chunks[c],
-                                              seed=self._chunk_seed(round_, c))
-            t1 = time.perf_counter()
-            local.append((c, rollout, self._score(rollout)))
-            t_gen += t1 - t0
-            t_rew += time.perf_counter() - t1
+        local, t_gen, t_rew, failure = [], 0.0, 0.0, None
+        try:
+            for c in self.dist.my_chunks(len(chunks)):
+                t0 = time.perf_counter()
+                rollout = self.generator.generate([self.data.prompt_ids[i] for i in chunks[c]], chunks[c],
+                                                  seed=self._chunk_seed(round_, c))
+                t1 = time.perf_counter()
+                local.append((c, rollout, self._score(rollout)))
+                t_gen += t1 - t0
+                t_rew += time.perf_counter() - t1
+        except Exception as err:
+            if not self.dist.active:
+                raise
+            # the other ranks wait at the gather below: tell them, so every rank stops with the reason
+            failure = err
+            local = [(-1, f"rank {self.dist.rank}: {type(err).__name__}: {err}", None)]
         parts = sorted(self.dist.gather_objects(local), key=lambda item: item[0])
+        failed = [msg for c, msg, _ in parts if c < 0]
+        if failure is not None:
+            raise failure
+        if failed:
+            raise RuntimeError("generation or scoring failed on another rank: " + "; ".join(failed))
         rollout = Rollout.concat([r for _, r, _ in parts], self.generator.pad_id)
         scores = [sc for _, _, sc in parts]
         merged = RewardScores(torch.cat([sc.values for sc in scores]),

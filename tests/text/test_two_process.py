@@ -53,3 +53,23 @@ def _lora(out: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(latest_checkpoint(out / "checkpoints") / "tensors.model.safetensors")
+
+
+def test_a_reward_error_on_one_rank_stops_every_rank(tmp_path, launch_ranks):
+    """stop_on_reward_error with a reward that raises on rank 1 only: both ranks exit with the reason
+    (no rank is left waiting for the others)."""
+    reward = tmp_path / "flaky.py"
+    reward.write_text("import os\n\n"
+                      "def flaky(prompts, completions, **kw):\n"
+                      "    if os.environ['RANK'] == '1':\n"
+                      "        raise ValueError('judge unreachable')\n"
+                      "    return [0.0] * len(completions)\n")
+    results = launch_ranks("train_text.py", [
+        str(ROOT / "configs/text/tiny_pattern.yaml"), f"output_dir={tmp_path / 'out'}", "steps=2",
+        "progress=false", "num_threads=1", "generation.prompts_per_step=2", "generation.group_size=2",
+        "generation.batch_size=2", f"rewards=[{{name: '{reward}:flaky'}}]", "stop_on_reward_error=true"],
+        2, timeout=300, check=False)
+    (rc0, err0), (rc1, err1) = results
+    assert rc0 != 0 and rc1 != 0
+    assert "reward function 'flaky' failed: ValueError: judge unreachable" in err1
+    assert "failed on another rank" in err0 and "judge unreachable" in err0
