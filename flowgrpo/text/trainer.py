@@ -2,14 +2,18 @@
 
 One training step:
 
-    P prompts -> generate G completions each          (transformers generate)
-              -> reward functions -> rewards [P, G, K] (NaN = not applicable / failed)
+    P prompts -> generate G completions each          (transformers generate or vLLM; each chunk of
+                                                         prompts seeded by itself, on rank chunk % W)
+              -> reward functions -> rewards [P, G, K] (NaN = not applicable / failed), gathered on every rank
               -> [DAPO dynamic sampling: drop zero-spread groups, generate more, bounded rounds]
               -> flowgrpo.core.compute_advantages     (any estimator; GDPO reads the K heads)
               -> old (and reference) token log-probs, no grad, in micro-batches (the old ones only when
-                 several optimizer steps use the batch; else a few rows re-scored for the on-policy check)
+                 several optimizer steps use the batch or the sampler's log-probs were recorded; else a
+                 few rows re-scored for the on-policy check)
+              -> [rollout-vs-training mismatch: importance weights exp(old - sampler), truncated / masked]
               -> num_iterations passes x mini_batches optimizer steps, each with ONE LossNormalizer
-                 counted over its whole mini-batch, micro-batches accumulate gradients
+                 counted over its whole mini-batch, micro-batches accumulate gradients (micro-batch k
+                 on rank k % W, gradients summed over ranks)
                  -> flowgrpo.core.policy_loss (any preset / parts) -> clip grad norm -> AdamW
               -> LR schedule, metrics.jsonl, progress bar, checkpoint every k steps
 
@@ -36,11 +40,11 @@ from typing import Any, Callable, Mapping, Optional
 import numpy as np
 import torch
 
-from ..distributed import Distributed
 from ..checkpoint import latest_checkpoint, load_checkpoint, load_into, save_checkpoint, warn_config_changes
 from ..config import ConfigError, dump_config
 from ..core import GroupBatch, LossInputs, LossNormalizer, compute_advantages, policy_loss
 from ..core.stats import masked_std
+from ..distributed import Distributed
 from ..metrics import LossMetrics, MetricsWriter, truncate_metrics
 from .config import TextConfig
 from .data import PromptSampler, load_prompts
