@@ -16,6 +16,7 @@ from flowgrpo.text.generation import Rollout, TransformersGenerator, completion_
 from flowgrpo.text.logprobs import batch_logprobs, micro_logprobs
 from flowgrpo.text.models import build_tiny_model, build_tiny_tokenizer
 
+ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def tiny():
@@ -207,3 +208,10 @@ def test_real_loading_path_from_a_saved_folder(tiny_config, tmp_path):
     h = train_text(tiny_config(f"model.name_or_path={folder}", "steps=1", "model.lora.enabled=true",
                                "loss.kl.coef=0.01", "data.chat_template=true", "checkpoint.every=0", name="loaded"))
     assert h[0]["check/first_pass_ratio_dev"] <= 1e-5 and h[0]["kl/ref_mean"] >= 0
+
+
+@pytest.mark.parametrize("path", sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs" / "text").rglob("*.yaml")))
+def test_every_shipped_text_config_is_valid(path):
+    """Every recipe under configs/text passes the strict config (unknown keys, bad values, cross checks)."""
+    cfg = load_text_config(ROOT / path)
+    assert cfg.steps > 0 and cfg.rewards

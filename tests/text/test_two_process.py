@@ -21,8 +21,9 @@ ARGS = ["steps=3", "checkpoint.every=0", "progress=false", "num_threads=1", "opt
         "dynamic_sampling.enabled=true", "dynamic_sampling.max_extra_rounds=1"]
 
 
-def _run(launch_ranks, out: Path, world: int) -> None:
-    launch_ranks("train_text.py", [str(ROOT / "configs/text/tiny_pattern.yaml"), f"output_dir={out}", *ARGS], world)
+def _run(launch_ranks, out: Path, world: int, *extra: str) -> None:
+    launch_ranks("train_text.py", [str(ROOT / "configs/text/tiny_pattern.yaml"), f"output_dir={out}", *ARGS, *extra],
+                 world)
 
 
 def test_two_processes_match_one(tmp_path, launch_ranks):
@@ -47,6 +48,13 @@ def test_two_processes_match_one(tmp_path, launch_ranks):
     assert max(float(t1[k].abs().max()) for k in t1 if "lora_B" in k) > 0  # the update moved LoRA B off 0
     for k in t1:
         torch.testing.assert_close(t1[k], t2[k], rtol=1e-4, atol=1e-6)
+    # 2 processes stopped after step 2 (checkpoint written by rank 0) and resumed: bit-identical to `two`
+    resumed = tmp_path / "resumed"
+    _run(launch_ranks, resumed, 2, "stop_after=2", "checkpoint.every=1")
+    _run(launch_ranks, resumed, 2, "resume=true", "checkpoint.every=1")
+    t3 = _lora(resumed)
+    assert all(torch.equal(t2[k], t3[k]) for k in t2)
+    assert [r["reward_mean"] for r in read_metrics(resumed / "metrics.jsonl")] == [r["reward_mean"] for r in m2]
 
 
 def _lora(out: Path) -> dict[str, torch.Tensor]:
