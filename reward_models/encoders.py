@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from .images import ImageBatch
-from .placement import resolve_device, resolve_dtype
+from .placement import ModelPlacement
 from .preprocess import DINOV2_SPEC, PreprocessSpec, preprocess_batch, spec_from_processor
 
 PREPROCESS_MODES = ("tensor", "pil")
@@ -35,20 +35,11 @@ def pooled(output) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output.pooler_output
 
 
-class _Backbone:
+class _Backbone(ModelPlacement):
     def __init__(self, model, spec: PreprocessSpec, device, dtype):
         self.model = model.eval().requires_grad_(False)  # frozen: gradients go to pixels only
         self.spec = spec
-        self.device, self.dtype = torch.device("cpu"), torch.float32
         self.to(device, dtype)
-
-    def to(self, device=None, dtype=None):
-        if device is not None:
-            self.device = resolve_device(device)
-        if dtype is not None:
-            self.dtype = resolve_dtype(dtype)
-        self.model.to(device=self.device, dtype=self.dtype)
-        return self
 
     def tensor_pixels(self, images: ImageBatch) -> torch.Tensor:
         # Resize on the model's device (fast on GPU), in float32, then cast to the model dtype.

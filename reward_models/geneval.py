@@ -48,9 +48,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-import threading
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -59,6 +57,7 @@ from PIL import Image
 from .base import Scorer
 from .registry import register
 from .remote import RETRY_STATUSES, HttpClient, HTTPStatusError, RemoteRewardError
+from .serving import JSONHandler, LocalJSONServer
 from .wire import WireError, decode_png, encode_png
 
 log = logging.getLogger(__name__)
@@ -423,39 +422,18 @@ def build_geneval(*, url: str, metadata_key: str = "geneval", threshold: float =
 DetectFn = Callable[[list[Image.Image], list[list[str]], "list[str] | None"], Sequence[Sequence[Any]]]
 
 
-class DetectorServer(ThreadingHTTPServer):
+class DetectorServer(LocalJSONServer):
     """Serves a Python detect function over the protocol above; detection is serialised by a lock
     (one model on one device). Binds 127.0.0.1 unless told otherwise."""
 
-    daemon_threads = True
-
     def __init__(self, detect: DetectFn, host: str = "127.0.0.1", port: int = 0, *, name: str = "detector",
                  max_body_bytes: int = 512 * 2**20):
-        self.detect, self.detector_name, self.max_body_bytes = detect, name, max_body_bytes
-        self.lock = threading.Lock()
-        super().__init__((host, port), _DetectorHandler)
-
-    @property
-    def url(self) -> str:
-        host, port = self.server_address[:2]
-        return f"http://{host}:{port}"
-
-    def serve_in_thread(self) -> threading.Thread:
-        thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        thread.start()
-        return thread
+        self.detect, self.detector_name = detect, name
+        super().__init__(_DetectorHandler, host, port, max_body_bytes)
 
 
-class _DetectorHandler(BaseHTTPRequestHandler):
+class _DetectorHandler(JSONHandler):
     server: DetectorServer
-
-    def _reply(self, status: int, payload: dict) -> None:
-        body = json.dumps(payload, allow_nan=False).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
 
     def do_GET(self) -> None:
         if self.path.rstrip("/") == "/health":
@@ -467,12 +445,11 @@ class _DetectorHandler(BaseHTTPRequestHandler):
         if self.path.rstrip("/") != "/detect":
             self._reply(404, {"error": f"unknown path {self.path}; use POST /detect"})
             return
-        length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit() or int(length) > self.server.max_body_bytes:
-            self._reply(413 if length and length.isdigit() else 411, {"error": "missing or too large body"})
+        body = self._read_body()
+        if body is None:
             return
         try:
-            payload = json.loads(self.rfile.read(int(length)))
+            payload = json.loads(body)
             images = [decode_png(x) for x in payload["images"]]
             classes = payload.get("classes") or [[] for _ in images]
             if len(classes) != len(images):

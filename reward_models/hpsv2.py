@@ -35,7 +35,8 @@ from . import _import_hooks  # noqa: F401  (torchvision on a CPU torch, before o
 from .base import Pretrained, Scorer
 from .encoders import PREPROCESS_MODES
 from .images import ImageBatch
-from .placement import resolve_device, resolve_dtype
+from .placement import ModelPlacement
+from .state_dicts import read_state_dict
 from .preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from .registry import register
 
@@ -133,29 +134,11 @@ def resolve_hps_checkpoint(model: str, version: str, *, local_files_only: bool =
     return hf_hub_download(model, HPS_FILES[version], revision=revision, local_files_only=local_files_only)
 
 
-def load_hps_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """Read a checkpoint without running code: safetensors, or torch.load(weights_only=True)."""
-    path = str(path)
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        state = load_file(path)
-    else:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-            state = state["state_dict"]
-    if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ValueError(f"{path}: not a state dict of tensors")
-    if all(k.startswith("module.") for k in state):  # saved from DistributedDataParallel
-        state = {k[len("module."):]: v for k, v in state.items()}
-    return state
-
-
 def convert_hps_checkpoint(src: str | Path, dst: str | Path) -> None:
     """One-off conversion of a released HPS .pt to safetensors (tensors only, no pickle)."""
     from safetensors.torch import save_file
 
-    save_file({k: v.contiguous() for k, v in load_hps_state_dict(src).items()}, str(dst))
+    save_file({k: v.contiguous() for k, v in read_state_dict(src).items()}, str(dst))
 
 
 class _DropRecords(logging.Filter):
@@ -167,7 +150,7 @@ class _DropRecords(logging.Filter):
         return not str(record.msg).startswith(self.prefix)
 
 
-class OpenClipBackbone:
+class OpenClipBackbone(ModelPlacement):
     """An open_clip CLIP + its tokenizer with HPS preprocessing, one device and one dtype."""
 
     def __init__(self, model, tokenizer, *, image_size: int | None = None, device="auto", dtype="float32",
@@ -179,7 +162,6 @@ class OpenClipBackbone:
         size = image_size or model.visual.image_size
         self.image_size = int(size[0] if isinstance(size, (tuple, list)) else size)
         self._reference = None
-        self.device, self.dtype = torch.device("cpu"), torch.float32
         self.to(device, dtype)
 
     @classmethod
@@ -202,14 +184,6 @@ class OpenClipBackbone:
                                  f"({len(result.missing_keys)}), unexpected {result.unexpected_keys[:5]} "
                                  f"({len(result.unexpected_keys)})")
         return cls(model, open_clip_tokenizer(arch), **kwargs)
-
-    def to(self, device=None, dtype=None):
-        if device is not None:
-            self.device = resolve_device(device)
-        if dtype is not None:
-            self.dtype = resolve_dtype(dtype)
-        self.model.to(device=self.device, dtype=self.dtype)
-        return self
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().float().cpu().contiguous() for k, v in self.model.state_dict().items()}
@@ -275,5 +249,5 @@ def build_hpsv2(*, model: str = HPS_REPO, version: str = "v2.1", arch: str = HPS
         backbone = OpenClipBackbone.build(register_tiny_open_clip(), **options)
     else:
         path = resolve_hps_checkpoint(model, version, local_files_only=local_files_only, revision=revision)
-        backbone = OpenClipBackbone.build(arch, load_hps_state_dict(path), **options)
+        backbone = OpenClipBackbone.build(arch, read_state_dict(path), **options)
     return HPSv2(backbone, batch_size=batch_size, key=key)

@@ -51,7 +51,8 @@ from .aesthetic import AestheticHead
 from .base import Pretrained, Scorer
 from .encoders import PREPROCESS_MODES
 from .images import ImageBatch, pil_to_tensor
-from .placement import resolve_device, resolve_dtype
+from .placement import ModelPlacement
+from .state_dicts import read_state_dict
 from .preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from .registry import register
 
@@ -162,18 +163,6 @@ def map_official_key(key: str) -> str | None:
                 if match.group(2).startswith(old):
                     return f"vision.encoder.layers.{match.group(1)}.{new}{match.group(2)[len(old):]}"
     raise KeyError(f"unexpected key in the ImageReward checkpoint: {key}")
-
-
-def _read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """torch.load(weights_only=True): tensors and plain containers only, no code runs."""
-    state = torch.load(str(path), map_location="cpu", weights_only=True)
-    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-        state = state["state_dict"]
-    if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ValueError(f"{path}: not a state dict of tensors")
-    if all(k.startswith("module.") for k in state):  # saved from DistributedDataParallel
-        state = {k[len("module."):]: v for k, v in state.items()}
-    return state
 
 
 def map_official_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -290,7 +279,7 @@ def imagereward_preprocess_tensor(x: torch.Tensor, size: int = IMAGEREWARD_IMAGE
 
 # --- the scorer ---------------------------------------------------------------------------------
 
-class ImageReward(Pretrained, Scorer):
+class ImageReward(ModelPlacement, Pretrained, Scorer):
     """ImageReward v1.0: (MLP(BLIP [CLS]) - mean) / std."""
 
     name = "imagereward"
@@ -308,15 +297,10 @@ class ImageReward(Pretrained, Scorer):
         if len(tokenizer) > model.text.config.vocab_size:
             raise ValueError(f"tokenizer has {len(tokenizer)} ids, the text encoder {model.text.config.vocab_size}")
         self.image_size = int(model.vision.config.image_size)
-        self.device, self.dtype = torch.device("cpu"), torch.float32
         self.to(device, dtype)
 
     def to(self, device=None, dtype=None):
-        if device is not None:
-            self.device = resolve_device(device)
-        if dtype is not None:
-            self.dtype = resolve_dtype(dtype)
-        self.model.to(device=self.device, dtype=self.dtype)
+        super().to(device, dtype)
         self.model.head.to(dtype=torch.float32)  # the reference MLP runs on h_cls.float()
         return self
 
@@ -393,7 +377,7 @@ def load_imagereward(model: str, *, tokenizer: str | None = None, local_files_on
         net = load_strict(net, load_file(os.path.join(model, "model.safetensors")), model)
         return net, blip_tokenizer(tokenizer or model)
     pt, med = _official_checkpoint(model, local_files_only=local_files_only, revision=revision)
-    raw = _read_tensors(pt)
+    raw = read_state_dict(pt)
     vision, text = config_from_official(raw, json.loads(Path(med).read_text()) if med else None)
     net = load_strict(ImageRewardModel.from_dicts(vision, text), map_official_state_dict(raw), pt)
     from transformers import BertTokenizer

@@ -26,3 +26,19 @@ def resolve_dtype(dtype: "str | torch.dtype | None" = "float32") -> torch.dtype:
         return _DTYPES[str(dtype).lower().removeprefix("torch.")]
     except KeyError:
         raise ValueError(f"unknown dtype {dtype!r}; valid: {sorted(_DTYPES)}") from None
+
+
+class ModelPlacement:
+    """For an object holding `self.model`: one device and one dtype for it, changed by `to` (None keeps
+    the current one). Put it before `Scorer` in the bases so its `to` wins."""
+
+    device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32
+
+    def to(self, device=None, dtype=None):
+        if device is not None:
+            self.device = resolve_device(device)
+        if dtype is not None:
+            self.dtype = resolve_dtype(dtype)
+        self.model.to(device=self.device, dtype=self.dtype)
+        return self

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import Pretrained, Scorer
-from .placement import resolve_device, resolve_dtype
+from .placement import ModelPlacement, resolve_dtype
 from .registry import register
 
 DEFAULT_VLM = "Qwen/Qwen2.5-VL-7B-Instruct"  # [unverified] which VLM the paper used
@@ -42,7 +42,7 @@ DEFAULT_QUERY = "Describe this image in detail."  # [unverified] the paper's gui
 REDUCTIONS = ("mean", "sum")  # [unverified] which one the paper uses; its formula reads as the mean
 
 
-class PromptEcho(Pretrained, Scorer):
+class PromptEcho(ModelPlacement, Pretrained, Scorer):
     """Mean (or summed) log-probability of the prompt as the VLM's answer to `query` about the image."""
 
     name = "prompt_echo"
@@ -68,14 +68,6 @@ class PromptEcho(Pretrained, Scorer):
         self._crop_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.device, self.dtype = torch.device("cpu"), torch.bfloat16
         self.to(device, dtype)
-
-    def to(self, device=None, dtype=None):
-        if device is not None:
-            self.device = resolve_device(device)
-        if dtype is not None:
-            self.dtype = resolve_dtype(dtype)
-        self.model.to(device=self.device, dtype=self.dtype)
-        return self
 
     def save_pretrained(self, path: str | Path) -> None:
         self.model.save_pretrained(path)

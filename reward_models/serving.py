@@ -19,24 +19,21 @@ from .wire import WireError, decode_request, encode_scores
 MAX_BODY_BYTES = 512 * 2**20
 
 
-class RewardServer(ThreadingHTTPServer):
+class LocalJSONServer(ThreadingHTTPServer):
+    """A JSON-over-HTTP server on host:port (port 0 picks a free one; see .url). Requests are parsed in
+    parallel threads; `lock` serialises the model calls."""
+
     daemon_threads = True  # a hung client never keeps the process alive
 
-    def __init__(self, scorer: Scorer, host: str = "127.0.0.1", port: int = 0, *,
-                 max_body_bytes: int = MAX_BODY_BYTES, verbose: bool = False):
-        self.scorer, self.max_body_bytes, self.verbose = scorer, max_body_bytes, verbose
+    def __init__(self, handler: type, host: str, port: int, max_body_bytes: int):
+        self.max_body_bytes = max_body_bytes
         self.lock = threading.Lock()
-        super().__init__((host, port), RewardHandler)
+        super().__init__((host, port), handler)
 
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
         return f"http://{host}:{port}"
-
-    def health_info(self) -> dict:
-        s = self.scorer
-        return {"status": "ok", "scorer": s.name, "key": s.key, "requires_prompts": bool(s.requires_prompts),
-                "metadata_keys": list(s.metadata_keys)}
 
     def serve_in_thread(self) -> threading.Thread:
         """Start serving in a daemon thread (tests, notebooks); stop with shutdown()."""
@@ -45,8 +42,8 @@ class RewardServer(ThreadingHTTPServer):
         return thread
 
 
-class RewardHandler(BaseHTTPRequestHandler):
-    server: RewardServer
+class JSONHandler(BaseHTTPRequestHandler):
+    server: LocalJSONServer
 
     def _reply(self, status: int, payload: dict) -> None:
         body = json.dumps(payload, allow_nan=False).encode()
@@ -55,6 +52,32 @@ class RewardHandler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+
+    def _read_body(self) -> bytes | None:
+        """The request body, or None after answering 411 (no length) / 413 (over the server's limit)."""
+        length = self.headers.get("Content-Length")
+        if length is None or not length.isdigit():
+            self._reply(411, {"error": "Content-Length required"})
+            return None
+        if int(length) > self.server.max_body_bytes:
+            self._reply(413, {"error": f"body over {self.server.max_body_bytes} bytes; send smaller batches"})
+            return None
+        return self.rfile.read(int(length))
+
+
+class RewardServer(LocalJSONServer):
+    def __init__(self, scorer: Scorer, host: str = "127.0.0.1", port: int = 0, *,
+                 max_body_bytes: int = MAX_BODY_BYTES, verbose: bool = False):
+        self.scorer, self.verbose = scorer, verbose
+        super().__init__(RewardHandler, host, port, max_body_bytes)
+
+    def health_info(self) -> dict:
+        s = self.scorer
+        return {"status": "ok", "scorer": s.name, "key": s.key, "requires_prompts": bool(s.requires_prompts),
+                "metadata_keys": list(s.metadata_keys)}
+
+class RewardHandler(JSONHandler):
+    server: RewardServer
 
     def do_GET(self) -> None:
         if self.path.rstrip("/") == "/health":
@@ -66,15 +89,11 @@ class RewardHandler(BaseHTTPRequestHandler):
         if self.path.rstrip("/") != "/score":
             self._reply(404, {"error": f"unknown path {self.path}; use POST /score"})
             return
-        length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
-            self._reply(411, {"error": "Content-Length required"})
-            return
-        if int(length) > self.server.max_body_bytes:
-            self._reply(413, {"error": f"body over {self.server.max_body_bytes} bytes; send smaller batches"})
+        body = self._read_body()
+        if body is None:
             return
         try:
-            images, prompts, metadata = decode_request(json.loads(self.rfile.read(int(length))))
+            images, prompts, metadata = decode_request(json.loads(body))
         except (ValueError, WireError) as e:  # json errors are ValueErrors
             self._reply(400, {"error": f"bad request: {e}"})
             return

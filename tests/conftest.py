@@ -55,3 +55,38 @@ def launch_ranks():
         return results
 
     return launch
+
+
+@pytest.fixture
+def kill_after_first_checkpoint():
+    """`kill_after_first_checkpoint(script, args, run_dir, timeout)`: run scripts/<script> in a real process,
+    SIGKILL it as soon as a checkpoint exists under run_dir/checkpoints, and return that checkpoint's step."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from flowgrpo.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+
+    root = Path(__file__).resolve().parents[1]
+
+    def run(script: str, args: list[str], run_dir: Path, timeout: float = 300) -> int:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(root)}
+        cmd = [sys.executable, str(root / "scripts" / script), *args, f"output_dir={run_dir}"]
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            deadline = time.monotonic() + timeout
+            while not list_checkpoints(run_dir / "checkpoints"):
+                assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+                assert time.monotonic() < deadline, f"no checkpoint within {timeout} s"
+                time.sleep(0.005)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == -signal.SIGKILL
+        return load_checkpoint(latest_checkpoint(run_dir / "checkpoints"), restore_rng=False).step
+
+    return run

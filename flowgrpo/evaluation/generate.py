@@ -20,21 +20,12 @@ IMAGES_DIR = "images"
 PROMPTS_NAME = "prompts.jsonl"
 
 
-def resolve_device(device: str) -> str:
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
 def build_model(cfg: GenerateInput):
     """The adapter of `cfg.model`, with the LoRA of `cfg.lora` loaded (and active) when given."""
-    import torch
-
     from pipelines.adapters import build_adapter
+    from reward_models.placement import resolve_device, resolve_dtype
 
-    kw = dict(cfg.model_options, dtype=getattr(torch, cfg.dtype), device=resolve_device(cfg.device))
+    kw = dict(cfg.model_options, dtype=resolve_dtype(cfg.dtype), device=resolve_device(cfg.device))
     adapter = build_adapter(cfg.model, pretrained=cfg.pretrained, tiny=cfg.tiny, **kw)
     if cfg.lora is not None:
         adapter.load_lora(cfg.lora)

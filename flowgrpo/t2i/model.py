@@ -8,15 +8,11 @@ from typing import Iterator
 
 import torch
 
+from reward_models.placement import resolve_device
+
 from .config import ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def build_policy(cfg: ModelConfig):

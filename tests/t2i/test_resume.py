@@ -1,16 +1,11 @@
 """Exact resume: a run killed mid-way and resumed ends with weights identical to an uninterrupted run."""
 
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from flowgrpo.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from flowgrpo.checkpoint import latest_checkpoint
 from flowgrpo.metrics import read_metrics
 from flowgrpo.t2i import T2ITrainer, train_t2i
 
@@ -57,28 +52,13 @@ def test_stop_and_resume_in_new_trainer_is_bit_identical(recipe_config, recipe):
     assert [r["iteration"] for r in read_metrics(Path(resumed.cfg.output_dir) / "metrics.jsonl")] == [1, 2, 3, 4, 5]
 
 
-def test_sigkill_then_resume_is_bit_identical(recipe_config, tmp_path):
+def test_sigkill_then_resume_is_bit_identical(recipe_config, tmp_path, kill_after_first_checkpoint):
     """A real training process killed with SIGKILL once it has written a checkpoint, resumed by this one."""
     overrides = ["iterations=5", "checkpoint.every=1", "checkpoint.keep_last=3", "num_threads=1", "progress=false",
                  "artifacts.tensorboard=false", "artifacts.plot=false"]
     run_dir = tmp_path / "killed"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, str(ROOT / "scripts" / "train_t2i.py"), str(ROOT / "configs/t2i/tiny/flow_grpo.yaml"),
-           f"output_dir={run_dir}", *overrides]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 300
-        while not list_checkpoints(run_dir / "checkpoints"):
-            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-            assert time.monotonic() < deadline, "no checkpoint within 300 s"
-            time.sleep(0.005)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == -signal.SIGKILL
-    killed_at = load_checkpoint(latest_checkpoint(run_dir / "checkpoints"), restore_rng=False).step
+    killed_at = kill_after_first_checkpoint(
+        "train_t2i.py", [str(ROOT / "configs/t2i/tiny/flow_grpo.yaml"), *overrides], run_dir, timeout=300)
     assert killed_at < 5
 
     torch.manual_seed(987)

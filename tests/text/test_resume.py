@@ -1,16 +1,11 @@
 """Exact resume: an interrupted run, resumed, ends bit-identical to an uninterrupted one (CPU, fixed seeds)."""
 
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from flowgrpo.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from flowgrpo.checkpoint import latest_checkpoint
 from flowgrpo.metrics import read_metrics
 from flowgrpo.text import TextGRPOTrainer, train_text
 
@@ -64,27 +59,12 @@ def test_resume_without_checkpoint_starts_fresh(tiny_config):
     assert trainer.step == 0 and trainer.resumed_from is None
 
 
-def test_sigkill_after_checkpoint_then_resume_is_bit_identical(tiny_config, tmp_path):
+def test_sigkill_after_checkpoint_then_resume_is_bit_identical(tiny_config, tmp_path, kill_after_first_checkpoint):
     """A real training process killed with SIGKILL once it has written a checkpoint, resumed by another one."""
     overrides = ["steps=8", "checkpoint.every=2", "checkpoint.keep_last=3", "num_threads=1", "progress=false"]
     run_dir = tmp_path / "killed"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, str(ROOT / "scripts" / "train_text.py"), str(ROOT / "configs/text/tiny_pattern.yaml"),
-           f"output_dir={run_dir}", *overrides]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 120
-        while not list_checkpoints(run_dir / "checkpoints"):
-            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-            assert time.monotonic() < deadline, "no checkpoint within 120 s"
-            time.sleep(0.005)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == -signal.SIGKILL
-    killed_at = load_checkpoint(latest_checkpoint(run_dir / "checkpoints"), restore_rng=False).step
+    killed_at = kill_after_first_checkpoint(
+        "train_text.py", [str(ROOT / "configs/text/tiny_pattern.yaml"), *overrides], run_dir, timeout=120)
     assert killed_at < 8
 
     # resume in another process (this one: its RNG state has nothing to do with the killed run's)
