@@ -279,6 +279,12 @@ class T2ITrainer:
                     metrics.add(out.metrics, micro.numel())
                 self._optimizer_step(record, grad_norms)
                 on_policy = False
+        if self.dist.active:  # every rank's micro-batches, so the record describes the global batch
+            merged = LossMetrics()
+            for share in self.dist.gather_objects([metrics]):
+                merged.absorb(share)
+            metrics = merged
+            first_dev, measured = self.dist.max(first_dev), self.dist.max(float(measured)) > 0
         record.update(metrics.result(len(grad_norms)))
         record["backward_passes"] = backwards
         record["optimizer_steps"] = len(grad_norms)
@@ -400,6 +406,9 @@ class T2ITrainer:
         record["nfe_nograd"] = nfe1["nfe_nograd"] - nfe0["nfe_nograd"]
         record["nfe_grad"] = nfe1["nfe_grad"] - nfe0["nfe_grad"]
         record.setdefault("backward_passes", 0)
+        if self.dist.active:  # counts of the whole batch, not of this rank's share
+            for key in ("nfe_nograd", "nfe_grad", "rollout_nfe_nograd", "reward_calls", "backward_passes"):
+                record[key] = type(record[key])(self.dist.sum(record[key]))
         record["images"] = global_tree.leaves.numel()
         record["ratio_mean"] = record.get("ratio/mean", math.nan)
         record["peak_memory_mb"] = _peak_memory_mb()
