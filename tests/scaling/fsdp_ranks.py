@@ -1,0 +1,161 @@
+"""Tiny models trained under FSDP2 on the ranks `launch_ranks` starts (and the same runs in one process).
+
+As a script (every rank): python tests/scaling/fsdp_ranks.py OUT_DIR
+  1. for each model kind, SGD steps on its share of each global batch under `shard_model`; rank 0
+     writes the gathered weights to OUT_DIR/sgd_<kind>.safetensors;
+  2. loads OUT_DIR/from_one_<kind> (a DCP checkpoint the test saved in one process) into a sharded
+     model + AdamW and writes what it holds to OUT_DIR/loaded_on_two_<kind>.safetensors;
+  3. takes AdamW steps, saves OUT_DIR/from_two_<kind> with `save_sharded` and writes the full state
+     it saved to OUT_DIR/saved_on_two_<kind>.safetensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+
+import torch
+
+import flowgrpo  # noqa: F401  (torchvision import hook before diffusers / transformers)
+
+SGD_KINDS = ("sd3_full", "sd3_lora", "qwen2_lora")
+CKPT_KINDS = ("sd3_full", "sd3_lora")
+GLOBAL_BATCH = 4
+SGD_STEPS = 3
+SGD_LR = 0.5  # large, so the weights move far more than float32 rounding
+ADAM_STEPS = 2
+
+
+@contextlib.contextmanager
+def flush_denormals():
+    """Random tiny SD3 weights produce subnormal floats that make CPU matmuls ~50x slower; every
+    process of the comparison flushes them alike."""
+    torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
+
+
+def build(kind: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The same weights in every process: built from a fixed seed in float32, then cast."""
+    torch.manual_seed(1234)
+    if kind.startswith("sd3"):
+        from diffusers import SD3Transformer2DModel
+
+        model = SD3Transformer2DModel(
+            sample_size=8, patch_size=2, in_channels=4, out_channels=4, num_layers=2,
+            attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
+            caption_projection_dim=16, pooled_projection_dim=16, pos_embed_max_size=8,
+        )  # fmt: skip
+        if kind == "sd3_lora":
+            from peft import LoraConfig
+
+            model.add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian",
+                                         target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+            with torch.no_grad():  # B = 0 at init would leave A without gradient in step 1
+                for name, p in model.named_parameters():
+                    if "lora_B" in name:
+                        p.normal_(0, 0.02)
+    elif kind == "qwen2_lora":
+        from peft import LoraConfig, get_peft_model
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        cfg = Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+        model = get_peft_model(Qwen2ForCausalLM(cfg), LoraConfig(r=4, lora_alpha=8, target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights="gaussian"))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.02)
+    else:
+        raise ValueError(kind)
+    return model.to(dtype)
+
+
+def batch(kind: str, step: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Global batch number `step` (rows are split over ranks)."""
+    g = torch.Generator().manual_seed(100 + step)
+    n = GLOBAL_BATCH
+    if kind.startswith("sd3"):
+        return {"x": torch.randn(n, 4, 8, 8, generator=g), "t": torch.rand(n, generator=g) * 1000,
+                "text": torch.randn(n, 5, 16, generator=g), "pooled": torch.randn(n, 16, generator=g),
+                "target": torch.randn(n, 4, 8, 8, generator=g)}
+    return {"ids": torch.randint(0, 64, (n, 12), generator=g)}
+
+
+def loss(kind: str, model: torch.nn.Module, b: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    if kind.startswith("sd3"):
+        out = model(hidden_states=b["x"].to(dtype), timestep=b["t"].to(dtype), encoder_hidden_states=b["text"].to(dtype),
+                    pooled_projections=b["pooled"].to(dtype), return_dict=False)[0]
+        return (out - b["target"].to(dtype)).pow(2).mean()
+    return model(input_ids=b["ids"], labels=b["ids"]).loss
+
+
+def rows(b: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
+    per = GLOBAL_BATCH // world
+    return {k: v[rank * per:(rank + 1) * per] for k, v in b.items()}
+
+
+def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def train(kind: str, model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, first: int = 0,
+          rank: int = 0, world: int = 1, dtype: torch.dtype = torch.float32) -> None:
+    for step in range(first, first + steps):
+        loss(kind, model, rows(batch(kind, step), rank, world), dtype).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def full_model_and_optim(model: torch.nn.Module, opt: torch.optim.Optimizer, trainable_only: bool) -> dict:
+    """Everything a checkpoint holds, gathered (rank 0 gets it), keyed as save_sharded keys it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+    msd, osd = get_state_dict(model, opt, options=options)
+    out = {f"model.{k}": v for k, v in msd.items()}
+    for fqn, state in osd.get("state", {}).items():
+        out.update({f"optim.{fqn}.{k}": v for k, v in state.items()})
+    return {k: v.detach().clone().contiguous() for k, v in out.items()}
+
+
+def main(out: Path) -> None:
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from flowgrpo.scaling.sharding import load_sharded, save_sharded, shard_model, full_state
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for kind in SGD_KINDS:
+        model = build(kind)
+        shard_model(model)
+        train(kind, model, torch.optim.SGD(trainable(model), lr=SGD_LR), SGD_STEPS, rank=rank, world=world)
+        weights = full_state(model)
+        if rank == 0:
+            save_file({k: v.contiguous() for k, v in weights.items()}, str(out / f"sgd_{kind}.safetensors"))
+    for kind in CKPT_KINDS:
+        lora = kind.endswith("lora")
+        model = build(kind)
+        shard_model(model)
+        opt = torch.optim.AdamW(trainable(model), lr=1e-3)
+        load_sharded(out / f"from_one_{kind}", model, opt, trainable_only=lora)
+        held = full_model_and_optim(model, opt, lora)
+        if rank == 0:
+            save_file(held, str(out / f"loaded_on_two_{kind}.safetensors"))
+        train(kind, model, opt, ADAM_STEPS, first=10, rank=rank, world=world)
+        save_sharded(out / f"from_two_{kind}", model, opt, trainable_only=lora)
+        held = full_model_and_optim(model, opt, lora)
+        if rank == 0:
+            save_file(held, str(out / f"saved_on_two_{kind}.safetensors"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    with flush_denormals():
+        main(Path(sys.argv[1]))

@@ -1,0 +1,92 @@
+"""FSDP2 on 2 CPU ranks (gloo) against 1 process: same weights after training, and sharded checkpoints
+that load across world sizes (2 -> 1 and 1 -> 2) bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flowgrpo.scaling.sharding import ShardingError, load_sharded, save_sharded, shard_model
+
+from . import fsdp_ranks as fr
+
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def _sgd_run(kind: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    model = fr.build(kind, dtype)
+    fr.train(kind, model, torch.optim.SGD(fr.trainable(model), lr=fr.SGD_LR), fr.SGD_STEPS, dtype=dtype)
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def _adam_checkpoint(kind: str, path) -> dict[str, torch.Tensor]:
+    model = fr.build(kind)
+    opt = torch.optim.AdamW(fr.trainable(model), lr=1e-3)
+    fr.train(kind, model, opt, fr.ADAM_STEPS)
+    lora = kind.endswith("lora")
+    save_sharded(path, model, opt, trainable_only=lora)
+    return fr.full_model_and_optim(model, opt, lora)
+
+
+def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    assert sorted(got) == sorted(want), what
+    bad = [k for k in want if not torch.equal(got[k], want[k])]
+    assert not bad, f"{what}: {len(bad)} tensors differ, e.g. {bad[:3]}"
+
+
+def _check_training(out, kind: str) -> None:
+    """Both runs are float32 roundings of the same exact computation (they differ only in the order the
+    batch's terms are summed), so each is within E of the exact (float64) trajectory, where E is
+    measured on the 1-process run; the two runs then differ by at most ~2E. We allow 4E (E of the
+    2-rank run may be larger than the 1-process one) plus 2 ulp of the weight."""
+    one = _sgd_run(kind, torch.float32)
+    exact = _sgd_run(kind, torch.float64)
+    two = load_file(str(out / f"sgd_{kind}.safetensors"))
+    start = {k: v.detach() for k, v in fr.build(kind).state_dict().items()}
+    assert sorted(two) == sorted(one)
+    moved = 0.0
+    for name, w1 in one.items():
+        err = (w1.double() - exact[name]).abs().max().item()
+        tol = 4 * err + 2 * EPS32 * w1.abs().max().item()
+        diff = (two[name].double() - w1.double()).abs().max().item()
+        assert diff <= tol, f"{kind} {name}: 2 ranks vs 1 process differ by {diff:.3g} > {tol:.3g}"
+        moved = max(moved, (w1 - start[name]).abs().max().item())
+    # The check has teeth: training moved the weights far beyond any tolerance used above.
+    assert moved > 1e-2, kind
+
+
+def _check_two_to_one(out, kind: str) -> None:
+    lora = kind.endswith("lora")
+    model = fr.build(kind)
+    opt = torch.optim.AdamW(fr.trainable(model), lr=1e-3)
+    load_sharded(out / f"from_two_{kind}", model, opt, trainable_only=lora)
+    _assert_equal(fr.full_model_and_optim(model, opt, lora),
+                  load_file(str(out / f"saved_on_two_{kind}.safetensors")), f"{kind}: 2 ranks -> 1")
+    assert opt.param_groups[0]["betas"] == (0.9, 0.999)  # param groups come back from JSON as they were
+    assert not list(out.glob(f"from_two_{kind}/*.metadata")), "no pickled DCP metadata"
+
+
+def test_fsdp2_on_two_ranks_matches_one_process(launch_ranks, tmp_path):
+    """One 2-rank launch (its imports cost most of the time) feeds every check: training under
+    fully_shard (full fine-tune and LoRA, a diffusers and a transformers model) and sharded
+    checkpoints loaded across world sizes, 1 -> 2 and 2 -> 1, bit for bit."""
+    with fr.flush_denormals():
+        expected = {kind: _adam_checkpoint(kind, tmp_path / f"from_one_{kind}") for kind in fr.CKPT_KINDS}
+        launch_ranks("../tests/scaling/fsdp_ranks.py", [str(tmp_path)], world=2, timeout=300)
+        for kind in fr.SGD_KINDS:
+            _check_training(tmp_path, kind)
+        for kind in fr.CKPT_KINDS:
+            _assert_equal(load_file(str(tmp_path / f"loaded_on_two_{kind}.safetensors")), expected[kind],
+                          f"{kind}: 1 -> 2 ranks")
+            _check_two_to_one(tmp_path, kind)
+    model = fr.build("sd3_full")  # a LoRA-only checkpoint lacks the full model's weights
+    with pytest.raises(ShardingError, match="lacks"):
+        load_sharded(tmp_path / "from_two_sd3_lora", model)
+    with pytest.raises(ShardingError, match="no sharded checkpoint"):
+        load_sharded(tmp_path / "nowhere", model)
+
+
+def test_shard_model_needs_blocks_and_a_process_group():
+    with pytest.raises(ShardingError, match="torch.distributed"):
+        shard_model(fr.build("sd3_full"))
