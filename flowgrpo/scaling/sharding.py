@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -219,6 +220,51 @@ def load_sharded(path: str | Path, model: torch.nn.Module, optimizer: Optional[t
         for group, template in zip(groups, state.param_groups):
             group["params"] = template["params"]  # this model's fqns, in this optimizer's order
         set_optimizer_state_dict(model, optimizer, {"state": by_param, "param_groups": groups}, options=options)
+
+
+def _rank0() -> bool:
+    return _no_dist() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if not _no_dist():
+        dist.barrier()
+
+
+def save_sharded_atomic(target: str | Path, model: torch.nn.Module,
+                        optimizer: Optional[torch.optim.Optimizer] = None, trainable_only: bool = False) -> Path:
+    """`save_sharded` into a hidden folder next to `target`, then rank 0 fsyncs it and renames it into
+    place: a crash mid-save leaves no half-written `target`. Every rank calls it with the same
+    `target`, on a file system all ranks share."""
+    from flowgrpo.checkpoint import _fsync_dir
+
+    target = Path(target)
+    tmp = target.with_name(f".tmp-{target.name}")  # the same name on every rank, no broadcast needed
+    if _rank0():
+        if tmp.exists():
+            shutil.rmtree(tmp)  # left over by a crashed save
+        tmp.mkdir(parents=True)
+    _barrier()
+    save_sharded(tmp, model, optimizer, trainable_only)  # ends with a barrier: every shard is written
+    if _rank0():
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        _fsync_dir(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+        _fsync_dir(target.parent)
+    _barrier()
+    return target
+
+
+def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float) -> float:
+    """Clip the global gradient norm over all shards (torch computes it on DTensors with one
+    all-reduce) and return it as a float, the same on every rank."""
+    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+    full = getattr(norm, "full_tensor", None)
+    return float(full() if full is not None else norm)
 
 
 def full_state(model: torch.nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:

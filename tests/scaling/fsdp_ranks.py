@@ -25,17 +25,19 @@ GLOBAL_BATCH = 4
 SGD_STEPS = 3
 SGD_LR = 0.5  # large, so the weights move far more than float32 rounding
 ADAM_STEPS = 2
+CLIP = 0.05  # below the tiny models' gradient norms, so clipping changes every step
 
 
 @contextlib.contextmanager
-def flush_denormals():
-    """Random tiny SD3 weights produce subnormal floats that make CPU matmuls ~50x slower; every
-    process of the comparison flushes them alike."""
-    torch.set_flush_denormal(True)
+def one_thread():
+    """These models are tiny: with 2 threads on a busy 2-core machine a step waits on thread barriers
+    (3 SGD steps of the tiny SD3: 2.5 s with 2 threads, 0.05 s with 1)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         yield
     finally:
-        torch.set_flush_denormal(False)
+        torch.set_num_threads(before)
 
 
 def build(kind: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -104,11 +106,33 @@ def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 def train(kind: str, model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, first: int = 0,
-          rank: int = 0, world: int = 1, dtype: torch.dtype = torch.float32) -> None:
+          rank: int = 0, world: int = 1, dtype: torch.dtype = torch.float32) -> list[float]:
+    """Optimizer steps with the global gradient norm clipped to CLIP (active: the norms are larger);
+    returns the norms before clipping."""
+    from flowgrpo.scaling.sharding import clip_grad_norm
+
+    norms = []
     for step in range(first, first + steps):
         loss(kind, model, rows(batch(kind, step), rank, world), dtype).backward()
+        norms.append(clip_grad_norm(trainable(model), CLIP))
         opt.step()
         opt.zero_grad()
+    return norms
+
+
+def reference_output(model: torch.nn.Module) -> torch.Tensor:
+    """The base model's output with every LoRA adapter switched off (the KL reference), on batch 0."""
+    model.disable_adapters()
+    try:
+        with torch.no_grad():
+            return loss_free_output(model, batch("sd3", 0))
+    finally:
+        model.enable_adapters()
+
+
+def loss_free_output(model: torch.nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(hidden_states=b["x"], timestep=b["t"], encoder_hidden_states=b["text"],
+                 pooled_projections=b["pooled"], return_dict=False)[0]
 
 
 def full_model_and_optim(model: torch.nn.Module, opt: torch.optim.Optimizer, trainable_only: bool) -> dict:
@@ -127,18 +151,21 @@ def main(out: Path) -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from flowgrpo.scaling.sharding import load_sharded, save_sharded, shard_model, full_state
+    from flowgrpo.scaling.sharding import full_state, load_sharded, save_sharded_atomic, shard_model
 
-    torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     for kind in SGD_KINDS:
         model = build(kind)
         shard_model(model)
-        train(kind, model, torch.optim.SGD(trainable(model), lr=SGD_LR), SGD_STEPS, rank=rank, world=world)
+        norms = train(kind, model, torch.optim.SGD(trainable(model), lr=SGD_LR), SGD_STEPS, rank=rank, world=world)
         weights = full_state(model)
+        extra = {"norms": torch.tensor(norms, dtype=torch.float64)}
+        if kind == "sd3_lora":
+            extra["reference"] = reference_output(model)
         if rank == 0:
-            save_file({k: v.contiguous() for k, v in weights.items()}, str(out / f"sgd_{kind}.safetensors"))
+            save_file({**{k: v.contiguous() for k, v in weights.items()}, **{f"_{k}": v for k, v in extra.items()}},
+                      str(out / f"sgd_{kind}.safetensors"))
     for kind in CKPT_KINDS:
         lora = kind.endswith("lora")
         model = build(kind)
@@ -149,7 +176,7 @@ def main(out: Path) -> None:
         if rank == 0:
             save_file(held, str(out / f"loaded_on_two_{kind}.safetensors"))
         train(kind, model, opt, ADAM_STEPS, first=10, rank=rank, world=world)
-        save_sharded(out / f"from_two_{kind}", model, opt, trainable_only=lora)
+        save_sharded_atomic(out / f"from_two_{kind}", model, opt, trainable_only=lora)
         held = full_model_and_optim(model, opt, lora)
         if rank == 0:
             save_file(held, str(out / f"saved_on_two_{kind}.safetensors"))
@@ -157,5 +184,5 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    with flush_denormals():
+    with one_thread():
         main(Path(sys.argv[1]))
