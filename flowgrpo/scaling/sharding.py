@@ -94,7 +94,9 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     base = getattr(model, "get_base_model", lambda: model)()  # under peft, the wrapped model
     if hasattr(base, "enable_gradient_checkpointing"):  # diffusers ModelMixin
         base.enable_gradient_checkpointing()
-    elif hasattr(base, "gradient_checkpointing_enable"):  # transformers PreTrainedModel
+    elif hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5 PreTrainedModel
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    elif hasattr(base, "gradient_checkpointing_enable"):  # older transformers
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
         raise ShardingError(f"{type(base).__name__} has no gradient checkpointing switch")

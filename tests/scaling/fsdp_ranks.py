@@ -1,8 +1,9 @@
 """Tiny models trained under FSDP2 on the ranks `launch_ranks` starts (and the same runs in one process).
 
 As a script (every rank): python tests/scaling/fsdp_ranks.py OUT_DIR
-  1. for each model kind, SGD steps on its share of each global batch under `shard_model`; rank 0
-     writes the gathered weights to OUT_DIR/sgd_<kind>.safetensors;
+  1. for each model kind, clipped SGD steps on its share of each global batch under `shard_model`
+     (with activation checkpointing for RECOMPUTE kinds); rank 0 writes the gathered weights, the
+     gradient norms (and for LoRA on SD3 the adapters-off output) to OUT_DIR/sgd_<kind>.safetensors;
   2. loads OUT_DIR/from_one_<kind> (a DCP checkpoint the test saved in one process) into a sharded
      model + AdamW and writes what it holds to OUT_DIR/loaded_on_two_<kind>.safetensors;
   3. takes AdamW steps, saves OUT_DIR/from_two_<kind> with `save_sharded` and writes the full state
@@ -20,6 +21,7 @@ import torch
 import flowgrpo  # noqa: F401  (torchvision import hook before diffusers / transformers)
 
 SGD_KINDS = ("sd3_full", "sd3_lora", "qwen2_lora")
+RECOMPUTE = ("sd3_full", "qwen2_lora")  # sharded with activation checkpointing (diffusers' and transformers' own)
 CKPT_KINDS = ("sd3_full", "sd3_lora")
 GLOBAL_BATCH = 4
 SGD_STEPS = 3
@@ -151,13 +153,14 @@ def main(out: Path) -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from flowgrpo.scaling.sharding import full_state, load_sharded, save_sharded_atomic, shard_model
+    from flowgrpo.scaling.sharding import (ShardingConfig, full_state, load_sharded, save_sharded_atomic,
+                                           shard_model)
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     for kind in SGD_KINDS:
         model = build(kind)
-        shard_model(model)
+        shard_model(model, ShardingConfig(activation_checkpointing=kind in RECOMPUTE))
         norms = train(kind, model, torch.optim.SGD(trainable(model), lr=SGD_LR), SGD_STEPS, rank=rank, world=world)
         weights = full_state(model)
         extra = {"norms": torch.tensor(norms, dtype=torch.float64)}

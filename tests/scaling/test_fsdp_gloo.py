@@ -105,6 +105,18 @@ def test_fsdp2_on_two_ranks_matches_one_process(launch_ranks, tmp_path):
         load_sharded(tmp_path / "nowhere", model)
 
 
-def test_shard_model_needs_blocks_and_a_process_group():
+def test_shard_model_needs_blocks_and_a_process_group(tmp_path):
+    import torch.distributed as dist
+
     with pytest.raises(ShardingError, match="torch.distributed"):
         shard_model(fr.build("sd3_full"))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ShardingError, match="no module of Sequential.*JointTransformerBlock"):
+            shard_model(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+        model = fr.build("sd3_full")
+        blocks = shard_model(model)
+        assert blocks == ["transformer_blocks.0", "transformer_blocks.1"]
+        assert type(model.transformer_blocks[0].attn.to_q.weight).__name__ == "DTensor"
+    finally:
+        dist.destroy_process_group()
