@@ -10,7 +10,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from flowgrpo.scaling.memory import SPECS, check_counts, memory_table, model_facts, render_markdown, replace_table
+from flowgrpo.scaling.memory import (
+    SPECS,
+    check_counts,
+    memory_table,
+    model_facts,
+    render_markdown,
+    replace_table,
+)
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "scaling.md"
 

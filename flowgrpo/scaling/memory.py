@@ -257,7 +257,7 @@ TABLE_START, TABLE_END = "<!-- memory-table:start -->", "<!-- memory-table:end -
 
 def replace_table(doc: str, table: str) -> str:
     """Put `table` between the markers of docs/scaling.md, leaving the hand-written text alone."""
-    pattern = re.compile(re.escape(TABLE_START) + ".*?" + re.escape(TABLE_END), re.S)
+    pattern = re.compile(re.escape(TABLE_START) + ".*?" + re.escape(TABLE_END), re.DOTALL)
     if not pattern.search(doc):
         raise ValueError(f"the document has no {TABLE_START} ... {TABLE_END} block")
     return pattern.sub(lambda _: f"{TABLE_START}\n{table}\n{TABLE_END}", doc)

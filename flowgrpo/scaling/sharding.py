@@ -19,7 +19,7 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 from unittest import mock
 
 import torch
@@ -53,13 +53,13 @@ class ShardingConfig:
     dtype gradients are averaged in (fp32 so the sum over ranks does not lose bits)."""
 
     block_classes: tuple[str, ...] = BLOCK_CLASSES
-    param_dtype: Optional[torch.dtype] = None
-    reduce_dtype: Optional[torch.dtype] = torch.float32
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = torch.float32
     reshard_after_forward: bool = True
     activation_checkpointing: bool = False
 
     @classmethod
-    def from_accelerate_env(cls, env: Optional[dict[str, str]] = None) -> "ShardingConfig":
+    def from_accelerate_env(cls, env: dict[str, str] | None = None) -> ShardingConfig:
         """The config `accelerate launch --config_file configs/accelerate/fsdp2.yaml` asks for, read
         through accelerate's own FSDP plugin (the FSDP_* variables it exports to every rank)."""
         from accelerate.utils import FullyShardedDataParallelPlugin
@@ -147,10 +147,13 @@ def _options(trainable_only: bool, full: bool = False) -> Any:
                             strict=not trainable_only)
 
 
-def sharded_state(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                   trainable_only: bool = False) -> ShardedState:
     """The state to save, or the templates to load into (a fresh optimizer gets zero states first)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
 
     options = _options(trainable_only)
     tensors = {_MODEL + k: v for k, v in get_model_state_dict(model, options=options).items()}
@@ -170,7 +173,7 @@ def _no_dist() -> bool:
     return not (dist.is_available() and dist.is_initialized())
 
 
-def save_sharded(path: str | Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+def save_sharded(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  trainable_only: bool = False) -> None:
     """Every rank calls this with the same `path` (a shared folder); each writes its own shards."""
     import torch.distributed.checkpoint as dcp
@@ -187,12 +190,15 @@ def save_sharded(path: str | Path, model: torch.nn.Module, optimizer: Optional[t
         dist.barrier()  # the folder is complete on every rank before anyone renames or reads it
 
 
-def load_sharded(path: str | Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+def load_sharded(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  trainable_only: bool = False) -> None:
     """Load a folder written by `save_sharded` on any world size into `model` (and `optimizer`), sharded
     or not: each rank reads the slices of the saved shards that its own shards cover."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     from flowgrpo.checkpoint import _from_json
 
@@ -234,7 +240,7 @@ def _barrier() -> None:
 
 
 def save_sharded_atomic(target: str | Path, model: torch.nn.Module,
-                        optimizer: Optional[torch.optim.Optimizer] = None, trainable_only: bool = False) -> Path:
+                        optimizer: torch.optim.Optimizer | None = None, trainable_only: bool = False) -> Path:
     """`save_sharded` into a hidden folder next to `target`, then rank 0 fsyncs it and renames it into
     place: a crash mid-save leaves no half-written `target`. Every rank calls it with the same
     `target`, on a file system all ranks share."""

@@ -153,8 +153,13 @@ def main(out: Path) -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from flowgrpo.scaling.sharding import (ShardingConfig, full_state, load_sharded, save_sharded_atomic,
-                                           shard_model)
+    from flowgrpo.scaling.sharding import (
+        ShardingConfig,
+        full_state,
+        load_sharded,
+        save_sharded_atomic,
+        shard_model,
+    )
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -169,6 +174,18 @@ def main(out: Path) -> None:
         if rank == 0:
             save_file({**{k: v.contiguous() for k, v in weights.items()}, **{f"_{k}": v for k, v in extra.items()}},
                       str(out / f"sgd_{kind}.safetensors"))
+    # fsdp2.yaml's precision: blocks compute in bf16, master weights and the gradient mean stay fp32.
+    model = build("sd3_full")
+    shard_model(model, ShardingConfig(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    seen: dict[str, torch.dtype] = {}
+    model.transformer_blocks[0].attn.to_q.register_forward_pre_hook(
+        lambda mod, args: seen.setdefault("compute", mod.weight.dtype) and None)
+    norms = train("sd3_full", model, torch.optim.SGD(trainable(model), lr=SGD_LR), SGD_STEPS, rank=rank, world=world)
+    if rank == 0:
+        save_file({"norms": torch.tensor(norms, dtype=torch.float64),
+                   "compute_is_bf16": torch.tensor(seen["compute"] == torch.bfloat16),
+                   "master_is_fp32": torch.tensor(model.transformer_blocks[0].attn.to_q.weight.dtype == torch.float32)},
+                  str(out / "bf16_sd3_full.safetensors"))
     for kind in CKPT_KINDS:
         lora = kind.endswith("lora")
         model = build(kind)

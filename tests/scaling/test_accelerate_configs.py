@@ -21,7 +21,10 @@ FSDP2_BLOCKS = ["JointTransformerBlock", "FluxTransformerBlock", "FluxSingleTran
 def _launch_env(path: Path) -> tuple[object, dict[str, str]]:
     """What `accelerate launch --config_file path train.py` would export to each rank."""
     from accelerate.commands.config.config_args import load_config_from_file
-    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.commands.launch import (
+        _validate_launch_command,
+        launch_command_parser,
+    )
     from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
     parser = launch_command_parser()
@@ -49,7 +52,7 @@ def test_the_issue_s_configs_are_shipped():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=NAMES)
 def test_config_is_valid_for_the_installed_accelerate(path):
-    args, env = _launch_env(path)
+    args, _ = _launch_env(path)
     assert args.num_processes >= 8 and args.num_processes % args.num_machines == 0
 
 
@@ -75,9 +78,14 @@ def test_fsdp2_config_gives_full_shard_bf16_block_wrap_and_checkpointing(name):
 
 def test_block_class_names_are_the_models_own():
     """The names in fsdp2.yaml are the block classes diffusers / transformers declare as unsplittable."""
-    import flowgrpo  # noqa: F401  (torchvision hook)
-    from diffusers import FluxTransformer2DModel, QwenImageTransformer2DModel, SD3Transformer2DModel
+    from diffusers import (
+        FluxTransformer2DModel,
+        QwenImageTransformer2DModel,
+        SD3Transformer2DModel,
+    )
     from transformers import Qwen2ForCausalLM
+
+    import flowgrpo  # noqa: F401  (torchvision hook)
 
     declared = {n for c in (SD3Transformer2DModel, FluxTransformer2DModel, QwenImageTransformer2DModel,
                             Qwen2ForCausalLM) for n in c._no_split_modules}
@@ -85,7 +93,7 @@ def test_block_class_names_are_the_models_own():
 
 
 def test_two_node_config_points_every_machine_at_machine_0():
-    args, env = _launch_env(ROOT / "configs" / "accelerate" / "fsdp2_two_nodes.yaml")
+    args, _ = _launch_env(ROOT / "configs" / "accelerate" / "fsdp2_two_nodes.yaml")
     assert (args.num_machines, args.nproc_per_node, args.nnodes) == (2, "8", "2")
     # torchrun's rendezvous on machine 0 (accelerate picks rdzv_endpoint or master_addr/port)
     where = getattr(args, "rdzv_endpoint", None) or f"{args.master_addr}:{args.master_port}"

@@ -7,7 +7,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flowgrpo.scaling.sharding import ShardingError, load_sharded, save_sharded, shard_model
+from flowgrpo.scaling.sharding import (
+    ShardingError,
+    load_sharded,
+    save_sharded,
+    shard_model,
+)
 
 from . import fsdp_ranks as fr
 
@@ -85,6 +90,17 @@ def _check_two_to_one(out, kind: str) -> None:
     assert not list(out.glob(f"from_two_{kind}/*.metadata")), "no pickled DCP metadata"
 
 
+def _check_bf16(out) -> None:
+    """fsdp2.yaml's precision on 2 ranks: blocks saw bf16 weights while the optimizer's weights stayed
+    fp32; the gradient norms follow the fp32 run to bf16 precision (8 mantissa bits: 2^-8 = 0.4 % per
+    rounding; we allow 3 %, a few roundings through the 2-block model)."""
+    got = load_file(str(out / "bf16_sd3_full.safetensors"))
+    assert bool(got["compute_is_bf16"]) and bool(got["master_is_fp32"])
+    _, fp32_norms = _sgd_run("sd3_full", torch.float32)
+    torch.testing.assert_close(got["norms"], fp32_norms, rtol=0.03, atol=0)
+    assert not torch.equal(got["norms"], fp32_norms)  # bf16 compute did happen
+
+
 def test_fsdp2_on_two_ranks_matches_one_process(launch_ranks, tmp_path):
     """One 2-rank launch (its imports cost most of the time) feeds every check: training under
     fully_shard (full fine-tune and LoRA, a diffusers and a transformers model) and sharded
@@ -98,6 +114,7 @@ def test_fsdp2_on_two_ranks_matches_one_process(launch_ranks, tmp_path):
             _assert_equal(load_file(str(tmp_path / f"loaded_on_two_{kind}.safetensors")), expected[kind],
                           f"{kind}: 1 -> 2 ranks")
             _check_two_to_one(tmp_path, kind)
+    _check_bf16(tmp_path)
     model = fr.build("sd3_full")  # a LoRA-only checkpoint lacks the full model's weights
     with pytest.raises(ShardingError, match="lacks"):
         load_sharded(tmp_path / "from_two_sd3_lora", model)

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from flowgrpo.scaling import memory as mem
