@@ -137,3 +137,25 @@ def test_shard_model_needs_blocks_and_a_process_group(tmp_path):
         assert type(model.transformer_blocks[0].attn.to_q.weight).__name__ == "DTensor"
     finally:
         dist.destroy_process_group()
+
+
+def test_atomic_save_replaces_a_stale_temporary_folder_and_the_target(tmp_path):
+    from flowgrpo.scaling.sharding import save_sharded_atomic
+
+    target = tmp_path / "step_00000003" / "sharded"
+    stale = target.with_name(".tmp-sharded")
+    stale.mkdir(parents=True)
+    (stale / "junk.safetensors").write_bytes(b"half-written")  # left by a crashed save
+    model = fr.build("qwen2_lora")
+    opt = torch.optim.AdamW(fr.trainable(model), lr=1e-3)
+    with fr.one_thread():
+        fr.train("qwen2_lora", model, opt, 1)
+        assert save_sharded_atomic(target, model, opt, trainable_only=True) == target
+        fr.train("qwen2_lora", model, opt, 1, first=1)
+        save_sharded_atomic(target, model, opt, trainable_only=True)  # a second save replaces the first
+    assert not stale.exists() and not (target / "junk.safetensors").exists()
+    fresh = fr.build("qwen2_lora")
+    fresh_opt = torch.optim.AdamW(fr.trainable(fresh), lr=1e-3)
+    load_sharded(target, fresh, fresh_opt, trainable_only=True)
+    _assert_equal(fr.full_model_and_optim(fresh, fresh_opt, True), fr.full_model_and_optim(model, opt, True),
+                  "atomic save, reloaded")
