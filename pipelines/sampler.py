@@ -18,7 +18,7 @@ from flowgrpo.core.config import PartSpec, StrictModel
 
 from .plans import RolloutPlan
 from .rollout import RolloutTree
-from .schedules import ddim_schedule, flow_schedule
+from .schedules import SIGMA_GRIDS, ddim_schedule, flow_schedule
 from .steps import KERNELS, StepOutput, rescore, step
 
 
@@ -29,6 +29,9 @@ class SamplerConfig(StrictModel):
     cfg_mode: Literal["full", "none"] = "full"   # sampling; training re-scores with `train_cfg_mode`
     train_cfg_mode: Literal["full", "detach_uncond", "none"] = "detach_uncond"
     shift: Optional[float] = None                # None: the adapter's scheduler config decides
+    # Sigma grid by name: "scheduler" (the model's diffusers scheduler) or {name: time_shift, shift: 3}
+    # (DanceGRPO's sd3_time_shift over linspace(1, 0, n+1), which the FLUX GRPO papers use).
+    schedule: PartSpec = Field(default_factory=lambda: PartSpec(name="scheduler"))
     height: int = 32
     width: int = 32
     share_noise: bool = False                    # same initial noise for every root of a prompt
@@ -36,6 +39,10 @@ class SamplerConfig(StrictModel):
 
     def model_post_init(self, __context: Any) -> None:
         self.sde_kernel.check(KERNELS)
+        self.schedule.check(SIGMA_GRIDS)
+        if self.schedule.name != "scheduler" and self.shift is not None:
+            raise ValueError(f"sampler: shift applies to the 'scheduler' grid; schedule '{self.schedule.name}' "
+                             "sets its own (e.g. schedule: {name: time_shift, shift: 3.0})")
 
 
 @dataclass
@@ -97,8 +104,14 @@ class Sampler:
 
     def schedule(self, adapter):
         cfg = self.config
+        grid = cfg.schedule.name
         if adapter.prediction == "epsilon":
+            if grid != "scheduler":
+                raise ValueError(f"sampler.schedule '{grid}' is a flow-matching grid; {adapter.family} is an "
+                                 "epsilon-prediction model (use schedule: scheduler)")
             return ddim_schedule(cfg.num_steps, config=adapter.scheduler_config)
+        if grid != "scheduler":
+            return SIGMA_GRIDS.get(grid).fn(cfg.num_steps, **cfg.schedule.settings)
         if adapter.scheduler_config.get("use_dynamic_shifting"):  # FLUX, Qwen-Image: shift from the token count
             return flow_schedule(cfg.num_steps, image_seq_len=adapter.image_seq_len(cfg.height, cfg.width),
                                  config=adapter.scheduler_config)

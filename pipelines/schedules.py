@@ -7,6 +7,10 @@ grid the diffusers pipeline walks. diffusers is imported only when a schedule is
     sched = flow_schedule(10, shift=3.0)                 # SD3-style: sigmas [11], last 0
     sched = flow_schedule(28, config=flux_cfg, image_seq_len=4096, spacing="uniform")   # FLUX
     sched = ddim_schedule(50)                            # SD1.5 DDIM, epsilon prediction
+    sched = time_shift_schedule(16, shift=3.0)           # DanceGRPO / MixGRPO / BranchGRPO / Pref-GRPO
+
+A sampler picks its grid by name from SIGMA_GRIDS (`sampler.schedule`): "scheduler" (the model's
+diffusers scheduler decides, the default) or "time_shift" (a fixed shift over a uniform grid).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from typing import Any, Mapping
 
 import torch
 from torch import Tensor
+
+from flowgrpo.core.registry import Registry
 
 # How the unshifted sigmas are spaced before the shift is applied (diffusers appends the final 0):
 #   "diffusers": what `set_timesteps(n)` and the SD3 pipeline use: linspace(1, sigma_min, n) where
@@ -186,3 +192,29 @@ def ddim_schedule(num_steps: int, *, config: Mapping[str, Any] | None = None) ->
     acp = sched.alphas_cumprod.float()
     alpha_bar_prev = torch.where(prev >= 0, acp[prev.clamp(min=0)], sched.final_alpha_cumprod.float())
     return DDIMSchedule(t, acp[t], alpha_bar_prev, c.prediction_type)
+
+
+# ------------------------------------------------------------------------------------- named grids
+
+SIGMA_GRIDS = Registry("sigma grid")
+
+
+@SIGMA_GRIDS.register("scheduler")
+def scheduler_grid() -> None:
+    """The model's own diffusers scheduler (FLUX: dynamic shift from the token count; SD3: `sampler.shift`)."""
+    return None  # a marker: the sampler builds this grid from the adapter's scheduler config
+
+
+@SIGMA_GRIDS.register("time_shift")
+def time_shift_schedule(num_steps: int, *, shift: float = 3.0) -> FlowSchedule:
+    """sigma = s*t / (1 + (s-1)*t) over t = linspace(1, 0, num_steps + 1): a static shift, final sigma 0.
+
+    DanceGRPO's `sd3_time_shift` grid (`--shift 3`), used as is by MixGRPO, BranchGRPO and Pref-GRPO
+    for FLUX instead of FLUX's resolution-dependent dynamic shift. Computed in float64, stored float32.
+    """
+    if not isinstance(num_steps, int) or num_steps < 1:
+        raise ValueError(f"num_steps must be a positive int, got {num_steps!r}")
+    if not shift > 0:
+        raise ValueError(f"shift must be > 0, got {shift}")
+    t = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
+    return FlowSchedule.from_sigmas(shift * t / (1 + (shift - 1) * t))
