@@ -148,7 +148,7 @@ PINS: dict[str, dict[str, Any]] = {
                 "advantage.estimator.name": "turning_point", "advantage.estimator.eta": 1.0,
                 "advantage.estimator.balance": True, "advantage.estimator.balance_by": "trend",
                 "advantage.estimator.eps": 1e-4, "advantage.estimator.unbiased": False,
-                "loss.bounds.eps": 1e-5, "loss.kl.estimator": "flow_grpo", "loss.kl.coef": 1e-4},
+                "loss.bounds.eps": 1e-5, "loss.kl.estimator": "gaussian", "loss.kl.coef": 1e-4},  # CPS std
     "vgpo": {**SD35M, **PICKSCORE, "plan.name": "probes", "plan.window_start": 0, "plan.window_end": 9, "plan.one_step": True,
              "advantage.estimator.name": "value_anchored",
              "advantage.estimator.gamma": 0.95, "advantage.estimator.k": 0.1,   # GUESSES (no public code)
