@@ -141,7 +141,7 @@ PINS: dict[str, dict[str, Any]] = {
                       "group_size": 4, "prompts_per_iteration": 8,
                       "advantage.estimator.name": "sibling", "advantage.estimator.eps": 1e-4,
                       "advantage.estimator.unbiased": False, "loss.step_weighting.name": "noise_aware",
-                      "loss.bounds.eps": 1e-4, "loss.kl.estimator": "flow_grpo", "loss.kl.coef": 0.001},
+                      "loss.bounds.eps": 1e-4, "loss.kl.estimator": "gaussian", "loss.kl.coef": 0.001},  # transition std
     "tp_grpo": {**SD35M, **PICKSCORE, "data.path": "prompts/pickscore_sfw_train.txt",
                 "sampler.sde_kernel.name": "cps", "sampler.sde_kernel.a": 0.7,
                 "plan.name": "probes", "plan.window_start": 0, "plan.window_end": 9,
