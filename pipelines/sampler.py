@@ -36,6 +36,10 @@ class SamplerConfig(StrictModel):
     width: int = 32
     share_noise: bool = False                    # same initial noise for every root of a prompt
     keep_means: bool = False                     # store the rollout mean of each edge (GRPO-Guard)
+    # What the images are decoded from: "final" = the last state; "last_x0" = the last step's clean
+    # estimate x_{T-1} - sigma_{T-1} v, without that step's noise (DanceGRPO, Pref-GRPO, BranchGRPO,
+    # MixGRPO's drop_last_sample decode pred_original). Edges and log-probs are unchanged.
+    decode: Literal["final", "last_x0"] = "final"
 
     def model_post_init(self, __context: Any) -> None:
         self.sde_kernel.check(KERNELS)
@@ -135,7 +139,9 @@ class Sampler:
 
     def _time(self, adapter, schedule, steps: Tensor) -> Tensor:
         """What the adapter takes as time: sigma (flow matching) or the integer timestep (DDIM)."""
-        return schedule.timesteps[steps] if adapter.prediction == "epsilon" else schedule.sigmas[steps]
+        if adapter.prediction == "epsilon":
+            return schedule.timesteps[steps]
+        return schedule.sigmas[steps] if schedule.model_sigmas is None else schedule.model_sigmas[steps]
 
     def _forward(self, adapter, x: Tensor, steps: Tensor, schedule, embeds, prompt: Tensor, cfg_mode: str,
                  grad: bool) -> Tensor:
@@ -180,7 +186,7 @@ class Sampler:
         frontier = nodes.add(torch.full((x.shape[0],), -1, dtype=torch.long), 0, frontier_prompt, x,
                              keep_mean=cfg.keep_means)
         probe_ids, probe_latents = [], []
-        state = None
+        state, last_x0 = None, None
         for i, sp in enumerate(plan.steps):
             steps_i = torch.full((x.shape[0],), i, dtype=torch.long)
             v = self._forward(adapter, x, steps_i, schedule, embeds, frontier_prompt, cfg.cfg_mode, grad=False)
@@ -211,7 +217,12 @@ class Sampler:
             x, state = out.x_next, out.state
             frontier = nodes.add(frontier, i + 1, frontier_prompt, x, step_index=i, sde=sp.sde,
                                  trained=sp.trained and sp.sde, out=out, keep_mean=cfg.keep_means)
+            if cfg.decode == "last_x0" and i == plan.num_steps - 1:
+                last_x0 = out.x0_hat.to(x.dtype)
         tree = self._assemble(nodes, frontier, frontier_prompt, P, plan.num_steps, probe_ids, probe_latents)
+        if last_x0 is not None:
+            order = torch.argsort(frontier_prompt, stable=True)  # the leaves' layout (_assemble)
+            tree.leaf_images = last_x0[order].view(*tree.leaves.shape, *last_x0.shape[1:])
         tree.schedule = schedule
         after = self.counters.as_dict()
         tree.counters = {k: after[k] - before[k] for k in after}

@@ -16,7 +16,7 @@ diffusers scheduler decides, the default) or "time_shift" (a fixed shift over a 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import Tensor
@@ -53,6 +53,9 @@ class FlowSchedule:
 
     sigmas: Tensor  # [T+1] float32, strictly decreasing, in [0, 1]
     timesteps: Tensor  # [T] float32, what the denoiser is conditioned on (sigma * num_train_timesteps)
+    # [T] the flow time the denoiser sees when it is not sigmas[:-1] (FastVideo trainers round it down
+    # to int(1000 * sigma) / 1000); the kernels always use the exact sigmas.
+    model_sigmas: Optional[Tensor] = None
 
     def __post_init__(self) -> None:
         s = self.sigmas
@@ -62,6 +65,8 @@ class FlowSchedule:
             raise ValueError(f"sigmas must lie in [0, 1] and strictly decrease, got {s.tolist()}")
         if self.timesteps.shape != (s.numel() - 1,):
             raise ValueError(f"timesteps must have shape [{s.numel() - 1}], got {tuple(self.timesteps.shape)}")
+        if self.model_sigmas is not None and self.model_sigmas.shape != (s.numel() - 1,):
+            raise ValueError(f"model_sigmas must have shape [{s.numel() - 1}], got {tuple(self.model_sigmas.shape)}")
 
     @property
     def num_steps(self) -> int:
@@ -206,15 +211,23 @@ def scheduler_grid() -> None:
 
 
 @SIGMA_GRIDS.register("time_shift")
-def time_shift_schedule(num_steps: int, *, shift: float = 3.0) -> FlowSchedule:
+def time_shift_schedule(num_steps: int, *, shift: float = 3.0, integer_timesteps: bool = False) -> FlowSchedule:
     """sigma = s*t / (1 + (s-1)*t) over t = linspace(1, 0, num_steps + 1): a static shift, final sigma 0.
 
     DanceGRPO's `sd3_time_shift` grid (`--shift 3`), used as is by MixGRPO, BranchGRPO and Pref-GRPO
-    for FLUX instead of FLUX's resolution-dependent dynamic shift. Computed in float64, stored float32.
+    for FLUX instead of FLUX's resolution-dependent dynamic shift. Computed in float32 with the same
+    operations as theirs, so the grid is theirs to the bit. integer_timesteps: the denoiser is
+    conditioned on int(1000 * sigma) / 1000, as those trainers pass `timestep = int(sigma * 1000)`
+    (the kernels still use the exact sigmas).
     """
     if not isinstance(num_steps, int) or num_steps < 1:
         raise ValueError(f"num_steps must be a positive int, got {num_steps!r}")
     if not shift > 0:
         raise ValueError(f"shift must be > 0, got {shift}")
-    t = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
-    return FlowSchedule.from_sigmas(shift * t / (1 + (shift - 1) * t))
+    t = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float32)
+    sigmas = (shift * t) / (1 + (shift - 1) * t)
+    schedule = FlowSchedule.from_sigmas(sigmas)
+    if not integer_timesteps:
+        return schedule
+    whole = (sigmas[:-1] * 1000).long()  # int() truncation, as the published trainers
+    return FlowSchedule(schedule.sigmas, whole.float(), whole.float() / 1000)
