@@ -172,7 +172,7 @@ PINS: dict[str, dict[str, Any]] = {
                    "edges.per_sample_fraction": 0.6, "edges.exclude_last": True,
                    "train.mini_batches": 3, "loss.bounds.eps": 1e-4},
     "mixgrpo": {**FLUX, **MIXGRPO, "plan.iters_per_shift": 25},
-    "mixgrpo_flash": {**FLUX, **MIXGRPO, "plan.iters_per_shift": 20, "plan.post_solver": "dpm2m"},
+    "mixgrpo_flash": {**FLUX, **MIXGRPO, "plan.schedule": "fixed", "plan.start": 0, "plan.post_solver": "dpm2m"},
     "branchgrpo": {**FLUX, **HPS21, **TREE, "train.mini_batches": 37},
     "branchgrpo_mix": {**FLUX, **HPS21, **TREE, "plan.mix_window": 4, "train.mini_batches": 6},
     "pref_grpo": {**FLUX, **PREF},
@@ -269,13 +269,14 @@ def test_trained_steps_of_the_chain_recipes():
 
 
 def test_mixgrpo_window_over_the_published_300_iterations():
-    """GRPOTrainingStates: start 0, +1 every 25 iterations (Flash: 20); 4 trained steps, in order."""
-    for recipe, every in (("mixgrpo", 25), ("mixgrpo_flash", 20)):
-        for it in (0, every - 1, every, 299):
-            start = min(it // every, 21)
-            assert _plan(recipe, it).trained_steps == list(range(start, start + 4)), (recipe, it)
-    flash = _plan("mixgrpo_flash", 0)
-    assert [s.solver for s in flash.steps[4:]] == ["dpm2m"] * 21 and flash.steps[3].solver == "euler"
+    """GRPOTrainingStates: start 0, +1 every 25 iterations; Flash's script moves it by 0 (fixed at 0-3)."""
+    for it in (0, 24, 25, 299):
+        start = it // 25
+        assert _plan("mixgrpo", it).trained_steps == list(range(start, start + 4)), it
+    for it in (0, 20, 299):
+        flash = _plan("mixgrpo_flash", it)
+        assert flash.trained_steps == [0, 1, 2, 3]
+        assert [s.solver for s in flash.steps[4:]] == ["dpm2m"] * 21 and flash.steps[3].solver == "euler"
 
 
 def test_branchgrpo_trees():
