@@ -88,7 +88,8 @@ def per_sample_steps(tree: RolloutTree, fraction: float, generator: torch.Genera
     T = chains.shape[1]
     edge_ok = chains >= 0
     ids = chains.clamp_min(0)
-    trainable = edge_ok & tree.edge_trained[ids]
+    planned = edge_ok & tree.edge_trained[ids]
+    trainable = planned.clone()
     if exclude_last:
         trainable[:, T - 1] = False
     used = ids[trainable]
@@ -105,6 +106,6 @@ def per_sample_steps(tree: RolloutTree, fraction: float, generator: torch.Genera
     chosen = torch.zeros_like(trainable)
     chosen.scatter_(1, torch.argsort(keys, dim=1, stable=True)[:, :k], True)
     keep = torch.ones(tree.num_nodes, dtype=torch.bool)
-    keep[ids[trainable]] = False
-    keep[ids[chosen & trainable]] = True
+    keep[ids[planned]] = False                # every planned step of a chain is dropped ...
+    keep[ids[chosen & trainable]] = True      # ... but the ones this sample drew
     return keep
