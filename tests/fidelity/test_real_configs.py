@@ -137,7 +137,7 @@ PINS: dict[str, dict[str, Any]] = {
                    "loss.ratio.name": "ratio_norm", "loss.step_weighting.name": "inv_dt",
                    "loss.bounds.eps": 1e-4,          # GUESS (Pref-GRPO's RatioNorm clip)
                    "loss.kl.estimator": "flow_grpo", "loss.kl.coef": 0.01},  # GUESS (Flow-GRPO PickScore beta)
-    "tempflow_grpo": {**SD35M, **PICKSCORE, "plan.name": "branch_points", "plan.k": 6, "plan.fraction": 0.99,
+    "tempflow_grpo": {**SD35M, **PICKSCORE, "iterations": 1000, "plan.name": "branch_points", "plan.k": 6, "plan.fraction": 0.99,
                       "group_size": 4, "prompts_per_iteration": 8,
                       "advantage.estimator.name": "sibling", "advantage.estimator.eps": 1e-4,
                       "advantage.estimator.unbiased": False, "loss.step_weighting.name": "noise_aware",
