@@ -76,6 +76,7 @@ FLUX = {
     "sampler.train_cfg_mode": "none",
     "sampler.schedule.name": "time_shift",
     "sampler.schedule.shift": 3.0,
+    "sampler.schedule.integer_timesteps": True,  # timestep = int(1000 sigma), then / 1000
     "sampler.share_noise": True,             # --init_same_noise
     "train.micro_batch_size": 1,
     "optim.lr": 1e-5,
@@ -108,8 +109,9 @@ MIXGRPO = {
     "sampler.decode": "final", "group_size": 12, "prompts_per_iteration": 32, "train.mini_batches": 4,
     "plan.name": "window", "plan.size": 4, "plan.schedule": "progressive", "plan.stride": 1,
     "rewards.0.name": "hpsv2", "rewards.0.version": "v2.1", "rewards.1.name": "imagereward",
-    "rewards.2.name": "pickscore", "rewards.0.weight": 1.0, "rewards.1.weight": 1.0, "rewards.2.weight": 1.0,
-    "advantage.estimator.name": "gdpo", "advantage.estimator.eps": 1e-8, "advantage.estimator.unbiased": True,
+    "rewards.2.name": "pickscore", "rewards.0.weight": 1 / 3, "rewards.1.weight": 1 / 3, "rewards.2.weight": 1 / 3,
+    "advantage.estimator.name": "gdpo", "advantage.estimator.batch_norm": False,
+    "advantage.estimator.eps": 1e-8, "advantage.estimator.unbiased": True,
     "loss.bounds.eps": 1e-4, "data.path": "prompts/hpdv2_train.txt",
 }
 PREF = {
@@ -117,8 +119,11 @@ PREF = {
     "sampler.decode": "last_x0", "group_size": 8, "prompts_per_iteration": 64, "train.mini_batches": 2,
     "plan.name": "full_sde", "plan.train_fraction": 1.0,
     "edges.per_sample_fraction": 0.6, "edges.exclude_last": True,
-    "rewards.0.name": "vlm_judge_pairwise", "rewards.0.model": "UnifiedReward",
-    "advantage.estimator.name": "win_rate", "advantage.estimator.eps": 1e-8, "advantage.estimator.unbiased": True,
+    "rewards.0.name": "vlm_judge_pairwise", "rewards.0.model": "UnifiedReward", "rewards.0.weight": 0.7,
+    "rewards.1.name": "clip_score", "rewards.1.model": "laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
+    "rewards.1.variant": "cosine", "rewards.1.weight": 1.4,
+    "advantage.estimator.name": "gdpo", "advantage.estimator.batch_norm": False,
+    "advantage.estimator.eps": 1e-8, "advantage.estimator.unbiased": True,
     "loss.bounds.eps": 1e-4, "data.path": "prompts/unigenbench_train.txt",
 }
 # The one-GPU variants of the full fine-tunes: LoRA r128 / alpha 256 over bf16 weights
