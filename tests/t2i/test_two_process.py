@@ -14,8 +14,14 @@ ARGS = ["iterations=2", "prompts_per_iteration=4", "rollout_prompts=1", "num_thr
         "train.mini_batches=2", "train.micro_batch_size=7", "advantage.estimator.std_scope=batch"]
 
 
-def _launch(launch_ranks, out: Path, world: int) -> None:
-    launch_ranks("train_t2i.py", [str(ROOT / "configs/t2i/tiny/flow_grpo.yaml"), f"output_dir={out}", *ARGS], world)
+# the published FLUX runs' per-sample trained steps and decoded x0 must agree across ranks too
+PUBLISHED_FLUX = ["sampler.schedule={name: time_shift, shift: 3.0, integer_timesteps: true}", "sampler.decode=last_x0",
+                  "plan={name: full_sde, train_fraction: 1.0}", "edges.per_sample_fraction=0.6", "edges.exclude_last=true"]
+
+
+def _launch(launch_ranks, out: Path, world: int, recipe: str = "flow_grpo", extra: tuple = ()) -> None:
+    launch_ranks("train_t2i.py", [str(ROOT / f"configs/t2i/tiny/{recipe}.yaml"), f"output_dir={out}", *ARGS, *extra],
+                 world)
 
 
 def _policy(out: Path) -> dict[str, torch.Tensor]:
@@ -24,10 +30,12 @@ def _policy(out: Path) -> dict[str, torch.Tensor]:
     return load_file(latest_checkpoint(out / "checkpoints") / "tensors.policy.safetensors")
 
 
-def test_two_processes_match_one(tmp_path, launch_ranks):
+@pytest.mark.parametrize("recipe, extra", [("flow_grpo", ()), ("dance_grpo", tuple(PUBLISHED_FLUX))],
+                         ids=["flow_grpo", "dance_grpo_published"])
+def test_two_processes_match_one(tmp_path, launch_ranks, recipe, extra):
     one, two = tmp_path / "one", tmp_path / "two"
-    _launch(launch_ranks, one, 1)
-    _launch(launch_ranks, two, 2)
+    _launch(launch_ranks, one, 1, recipe, extra)
+    _launch(launch_ranks, two, 2, recipe, extra)
     m1, m2 = read_metrics(one / "metrics.jsonl"), read_metrics(two / "metrics.jsonl")
     assert [r["iteration"] for r in m2] == [1, 2]
     for a, b in zip(m1, m2):
