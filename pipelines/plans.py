@@ -164,19 +164,26 @@ def window(num_steps: int, iteration: int = 0, rng: Optional[random.Random] = No
 @PLANS.register("tree")
 def tree(num_steps: int, iteration: int = 0, rng: Optional[random.Random] = None, /, *,
          split_steps: Sequence[int] = (0, 3, 6, 9), branch: int = 2, noise_scale: float = 1.0,
-         mix_window: Optional[int] = None, mix_stride: int = 1, mix_iters_per_shift: int = 25) -> RolloutPlan:
+         mix_window: Optional[int] = None, mix_stride: int = 1, mix_iters_per_shift: int = 25,
+         mix_period: Optional[int] = None) -> RolloutPlan:
     """BranchGRPO: every step SDE and trained; at each split step every node gets `branch` children.
 
     mix_window = w gives BranchGRPO-Mix: SDE only inside a sliding window of w steps and at split steps;
-    the other steps are ODE and untrained. Width / depth pruning select edges for training only and
-    live in the trainer's edge selection, not in the plan.
+    the other steps are ODE and untrained. mix_period = p instead applies the released code's rule
+    (train_branchgrpo_flux.py, `mix_ode_sde_tree`): step i is SDE iff i % p < w, the same every
+    iteration (p is its depth_pruning_slide_interval, 30 in the 8-GPU script: with 20 steps, steps 0-3).
+    Width / depth pruning select edges for training only and live in the trainer's edge selection.
     """
     _check_steps(num_steps)
     splits = set(split_steps)
     if any(not 0 <= s < num_steps for s in splits):
         raise ValueError(f"split_steps {sorted(splits)} must lie in [0, {num_steps - 1}]")
+    if mix_period is not None and (mix_window is None or mix_period < 1):
+        raise ValueError(f"mix_period={mix_period} needs mix_window and must be >= 1")
     if mix_window is None:
         sde = [True] * num_steps
+    elif mix_period is not None:
+        sde = [i in splits or i % mix_period < mix_window for i in range(num_steps)]
     else:
         s0 = _window_start(num_steps, iteration, rng, mix_window, "progressive", 0, None, mix_stride,
                            mix_iters_per_shift, 1, 1)
