@@ -18,7 +18,7 @@ from flowgrpo.core.config import PartSpec, StrictModel
 
 from .plans import RolloutPlan
 from .rollout import RolloutTree
-from .schedules import SIGMA_GRIDS, ddim_schedule, flow_schedule
+from .schedules import SIGMA_GRIDS, compress_tail, ddim_schedule, flow_schedule
 from .steps import KERNELS, StepOutput, rescore, step
 
 
@@ -106,7 +106,18 @@ class Sampler:
 
     # --- kernels and schedule ------------------------------------------------------------------
 
-    def schedule(self, adapter):
+    def schedule(self, adapter, plan: Optional[RolloutPlan] = None):
+        """The sigma (or DDIM) grid of `num_steps`; with a plan that compresses its tail, the rebuilt grid."""
+        base = self._grid(adapter)
+        if plan is None or plan.tail is None:
+            return base
+        if self.config.schedule.name != "time_shift":
+            raise ValueError(f"plan '{plan.name}' rebuilds its tail on the time_shift grid: set sampler.schedule "
+                             "{name: time_shift, shift: ...} (MixGRPO's sd3_time_shift grid)")
+        settings = {"shift": 3.0, "integer_timesteps": False, **self.config.schedule.settings}
+        return compress_tail(base, plan.tail.start, plan.tail.points, **settings)
+
+    def _grid(self, adapter):
         cfg = self.config
         grid = cfg.schedule.name
         if adapter.prediction == "epsilon":
@@ -160,8 +171,8 @@ class Sampler:
             generator: Optional[torch.Generator] = None) -> RolloutTree:
         """Sample `group_size` final states per prompt by `plan`; returns every node and edge."""
         cfg = self.config
-        if plan.num_steps != cfg.num_steps:
-            raise ValueError(f"plan has {plan.num_steps} steps but the sampler is set to num_steps={cfg.num_steps}")
+        if plan.grid_steps != cfg.num_steps:
+            raise ValueError(f"plan has {plan.grid_steps} steps but the sampler is set to num_steps={cfg.num_steps}")
         leaves = plan.leaves_per_root
         if group_size % leaves:
             raise ValueError(f"plan '{plan.name}' gives {leaves} final states per root; group_size {group_size} "
@@ -174,7 +185,7 @@ class Sampler:
                 steps[first] = replace(steps[first], branch=steps[first].branch * roots)
                 plan, roots = replace(plan, steps=tuple(steps)), 1
         before = self.counters.as_dict()
-        schedule = self.schedule(adapter)
+        schedule = self.schedule(adapter, plan)
         embeds = adapter.encode_prompts(prompts)
         device = next(adapter.denoiser.parameters()).device
         shape = adapter.latent_shape(cfg.height, cfg.width)

@@ -231,3 +231,23 @@ def time_shift_schedule(num_steps: int, *, shift: float = 3.0, integer_timesteps
         return schedule
     whole = (sigmas[:-1] * 1000).long()  # int() truncation, as the published trainers
     return FlowSchedule(schedule.sigmas, whole.float(), whole.float() / 1000)
+
+
+def compress_tail(schedule: FlowSchedule, start: int, points: int, *, shift: float,
+                  integer_timesteps: bool = False) -> FlowSchedule:
+    """MixGRPO-Flash's rebuilt tail of a time_shift grid: keep sigmas[:start], then `points` values
+    s*u / (1 + (s-1)*u) over u = linspace(t_start, 0, points), t_start the unshifted time of sigmas[start].
+
+    The grid goes from sigma_start to 0 in points - 1 steps instead of num_steps - start.
+    """
+    n = schedule.num_steps
+    if not 0 < start < n or points < 2:
+        raise ValueError(f"compress_tail: need 0 < start < {n} and points >= 2, got start={start}, points={points}")
+    t_start = float(torch.linspace(1.0, 0.0, n + 1, dtype=torch.float32)[start])
+    u = torch.linspace(t_start, 0.0, points, dtype=torch.float32)
+    sigmas = torch.cat([schedule.sigmas[:start], (shift * u) / (1 + (shift - 1) * u)])
+    out = FlowSchedule.from_sigmas(sigmas)
+    if not integer_timesteps:
+        return out
+    whole = (sigmas[:-1] * 1000).long()
+    return FlowSchedule(out.sigmas, whole.float(), whole.float() / 1000)

@@ -218,6 +218,9 @@ class T2IConfig(StrictModel):
                              f"{[k for k, v in STEP_ESTIMATOR_PLANS.items() if v == plan]}")
         if (self.edges.depth_pruning or self.edges.width_pruning) and plan != "tree":
             raise ValueError("edges: depth / width pruning are BranchGRPO options for the 'tree' plan")
+        if self.plan.settings.get("post_compress") is not None and self.sampler.schedule.name != "time_shift":
+            raise ValueError("plan.post_compress rebuilds the tail of the time_shift grid (MixGRPO-Flash): set "
+                             "sampler.schedule {name: time_shift, shift: ...}")
         if self.edges.exclude_last and self.edges.per_sample_fraction is None:
             raise ValueError("edges.exclude_last belongs to the per-sample step subsets: set per_sample_fraction")
         if self.edges.per_sample_fraction is not None and (needs or plan not in ("full_sde", "window")

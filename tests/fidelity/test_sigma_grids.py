@@ -106,3 +106,39 @@ def test_schedule_config_is_strict():
     sampler = Sampler(SamplerConfig(num_steps=4, schedule={"name": "time_shift"}, sde_kernel={"name": "ddim"}))
     with pytest.raises(ValueError, match="epsilon-prediction model"):
         sampler.schedule(eps_model)
+
+
+def published_flash_grid(n: int, shift: float, last_sde: int, ratio: float) -> np.ndarray:
+    """MixGRPO run_sample_step, dpm_apply_strategy "post": the grid after the last SDE step, rebuilt."""
+    full = published_grid(n, shift)
+    num_post = int(max((n - last_sde - 1) * ratio, 1))
+    t_post = 1 - (last_sde + 1) / n
+    u = np.array([t_post * (1 - k / (num_post - 1)) for k in range(num_post)])
+    return np.concatenate([full[:last_sde + 1], shift * u / (1 + (shift - 1) * u)])
+
+
+@pytest.mark.parametrize("size, start, ratio", [(4, 0, 0.2), (4, 0, 0.4), (4, 5, 0.4), (2, 10, 0.5)])
+def test_compressed_tail_is_mixgrpo_flashs_grid(size, start, ratio):
+    n = 25
+    adapter = RecordingToy()
+    cfg = SamplerConfig(num_steps=n, schedule={"name": "time_shift", "shift": 3.0}, cfg_mode="none", height=16,
+                        width=16)
+    plan = build_plan("window", n, 0, schedule="fixed", start=start, size=size, post_solver="dpm2m",
+                      post_compress=ratio, share_prefix=False)
+    ref = published_flash_grid(n, 3.0, start + size - 1, ratio)
+    assert plan.num_steps == len(ref) - 1 < n and plan.grid_steps == n
+    assert [s.sde for s in plan.steps] == [start <= i < start + size for i in range(plan.num_steps)]
+    tree = Sampler(cfg).run(adapter, ["a cat"], plan, 2, torch.Generator().manual_seed(0))
+    np.testing.assert_allclose(tree.schedule.sigmas.double().numpy(), ref, rtol=0, atol=3e-7)
+    assert tree.num_steps == plan.num_steps and int(tree.edge_step.max()) == plan.num_steps - 1
+    assert sorted(set(adapter.times), reverse=True) == pytest.approx(list(ref[:-1]), abs=3e-7)
+
+
+def test_compressed_tail_needs_the_time_shift_grid_and_a_tail():
+    from flowgrpo.t2i.config import T2IConfig
+
+    with pytest.raises(ValueError, match="post_compress rebuilds the tail of the time_shift grid"):
+        T2IConfig(model={"tiny": True}, sampler={"num_steps": 25},
+                  plan={"name": "window", "size": 4, "post_compress": 0.4})
+    with pytest.raises(ValueError, match="would not reach sigma 0"):
+        build_plan("window", 25, 0, schedule="fixed", start=20, size=4, post_compress=0.4)
