@@ -184,13 +184,19 @@ def psr(batch: GroupBatch) -> AdvantageResult:
 
 
 @ESTIMATORS.register("gdpo")
-def gdpo(batch: GroupBatch, *, eps: float = 1e-4, unbiased: bool = True) -> AdvantageResult:
-    """GDPO: z-score each reward head in its group, weighted sum, then z-score over the batch."""
+def gdpo(batch: GroupBatch, *, eps: float = 1e-4, unbiased: bool = True, batch_norm: bool = True) -> AdvantageResult:
+    """GDPO: z-score each reward head in its group, weighted sum, then z-score over the batch.
+
+    batch_norm=False stops at the weighted sum of per-head group z-scores: MixGRPO's
+    `multi_reward_mix advantage_aggr` and Pref-GRPO's 0.7 A_winrate + 1.4 A_clip (eps 1e-8 there).
+    """
     heads = batch.head_rewards().float()
     head_ok = batch.usable(heads)
     normed = zscore(heads, head_ok, dim=1, eps=eps, unbiased=unbiased)
     ok = head_ok.all(-1) if batch.head_nan_policy == "propagate" else head_ok.any(-1)
     summed = (normed * batch.reward_weights).sum(-1)
+    if not batch_norm:
+        return _sample_result(summed, ok, batch)
     flat, flat_ok = summed.reshape(-1), ok.reshape(-1)
     adv = (summed - masked_mean(flat, flat_ok, 0)) / (masked_std(flat, flat_ok, 0, unbiased) + eps)
     return _sample_result(adv, ok, batch)

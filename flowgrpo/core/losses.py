@@ -319,8 +319,24 @@ def k3_plus(ctx: LossContext) -> Tensor:
 
 @KL_ESTIMATORS.register("gaussian", requires=("mean_sqdist_ref", "std"))
 def gaussian_kl(ctx: LossContext) -> Tensor:
-    """Closed-form KL of two Gaussian transitions with equal std: mean_d |mu - mu_ref|^2 / (2 std^2)."""
+    """Closed-form KL of two Gaussian transitions with equal std: mean_d |mu - mu_ref|^2 / (2 std^2).
+
+    The exact per-dimension KL(N(mu, std^2) || N(mu_ref, std^2)) of one step, std the transition std
+    (Flow-GRPO SDE: std = std_dev_t * sqrt(dt)). Per step it is 1/dt times the `flow_grpo` form.
+    """
     return ctx.inputs.mean_sqdist_ref / (2 * ctx.inputs.std**2)
+
+
+@KL_ESTIMATORS.register("flow_grpo", requires=("mean_sqdist_ref", "std", "dt"))
+def flow_grpo_kl(ctx: LossContext) -> Tensor:
+    """Flow-GRPO's KL: mean_d |mu - mu_ref|^2 / (2 std_dev_t^2), std_dev_t = std / sqrt(dt).
+
+    yifan123/flow_grpo scripts/train_sd3.py divides by the kernel's noise level std_dev_t =
+    a*sqrt(sigma/(1-sigma)) (sigmas[1] in the denominator at sigma = 1), not by the transition variance
+    std_dev_t^2 * dt, so it equals the exact `gaussian` KL times dt. Published betas (Flow-GRPO 0.04 /
+    0.01, GRPO-Guard, ...) are on this scale. For DDIM edges dt is 1 and both forms coincide.
+    """
+    return ctx.inputs.mean_sqdist_ref * ctx.inputs.dt / (2 * ctx.inputs.std**2)
 
 
 # --- aggregation ---------------------------------------------------------------------------------
@@ -393,11 +409,12 @@ PRESETS: dict[str, dict] = {
     "cispo": {"surrogate": "cispo", "bounds": {"name": "asymmetric", "eps_low": 1.0, "eps_high": 4.0},
               "aggregation": "token_mean"},
     # image policies
+    # image policies: Flow-GRPO's KL form (beta / (2 std_dev_t^2), see flow_grpo_kl) at its published betas
     "flow_grpo": {"bounds": {"name": "symmetric", "eps": 1e-4}, "aggregation": "token_mean",
-                  "kl": {"estimator": "gaussian", "coef": 0.0}},
+                  "kl": {"estimator": "flow_grpo", "coef": 0.0}},
     "grpo_guard": {"ratio": "ratio_norm", "bounds": {"name": "symmetric", "eps": 1e-4},
                    "aggregation": "token_mean", "step_weighting": "inv_dt",
-                   "kl": {"estimator": "gaussian", "coef": 0.0}},
+                   "kl": {"estimator": "flow_grpo", "coef": 0.0}},
 }
 
 

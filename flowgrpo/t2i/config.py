@@ -94,6 +94,11 @@ class EdgeConfig(StrictModel):
     width_pruning: Optional[float] = None      # BranchGRPO: keep ratio of the last split's children
     width_pruning_mode: Literal[1, 2] = 1
     drop_zero_advantage: bool = True           # edges with A = 0 add no gradient (unless KL is on)
+    # DanceGRPO / Pref-GRPO: each sample trains its own random int(fraction * n) of the plan's n trained
+    # steps (an independent permutation per sample, from seed and iteration); exclude_last drops the
+    # last denoising step from n first (DanceGRPO's [:, :-1]).
+    per_sample_fraction: Optional[float] = Field(None, gt=0, le=1)
+    exclude_last: bool = False
 
 
 class TrainConfig(StrictModel):
@@ -213,6 +218,16 @@ class T2IConfig(StrictModel):
                              f"{[k for k, v in STEP_ESTIMATOR_PLANS.items() if v == plan]}")
         if (self.edges.depth_pruning or self.edges.width_pruning) and plan != "tree":
             raise ValueError("edges: depth / width pruning are BranchGRPO options for the 'tree' plan")
+        if self.plan.settings.get("post_compress") is not None and self.sampler.schedule.name != "time_shift":
+            raise ValueError("plan.post_compress rebuilds the tail of the time_shift grid (MixGRPO-Flash): set "
+                             "sampler.schedule {name: time_shift, shift: ...}")
+        if self.edges.exclude_last and self.edges.per_sample_fraction is None:
+            raise ValueError("edges.exclude_last belongs to the per-sample step subsets: set per_sample_fraction")
+        if self.edges.per_sample_fraction is not None and (needs or plan not in ("full_sde", "window")
+                                                           or est == "tree_depth" or self.method != "grpo"):
+            raise ValueError("edges.per_sample_fraction picks steps per final sample: it needs method grpo, a "
+                             f"chain plan (full_sde, window) and a sample-level estimator, not plan '{plan}' "
+                             f"with estimator '{est}'")
         for part in ("ratio", "aggregation"):
             if getattr(self.loss, part).name in SEQUENCE_PARTS:
                 raise ValueError(f"loss.{part} '{getattr(self.loss, part).name}' treats a row as a sequence of "

@@ -99,6 +99,12 @@ def assign_credit(tree, leaf_values: Tensor, probe_values: Optional[Tensor], pre
         if edges_cfg.width_pruning:
             keep &= width_pruning(tree, torch.nan_to_num(node_adv), edges_cfg.width_pruning,
                                   edges_cfg.width_pruning_mode)
+    if cfg.edges.per_sample_fraction is not None:
+        from pipelines.edge_selection import per_sample_steps
+
+        # the same draw on every rank and after a resume: it depends on (seed, iteration) only
+        gen = torch.Generator().manual_seed((cfg.seed * 1_000_003 + iteration) * 7_919 + 17)
+        keep &= per_sample_steps(tree, cfg.edges.per_sample_fraction, gen, cfg.edges.exclude_last)
     if cfg.edges.drop_zero_advantage and cfg.loss.kl.coef == 0:
         keep &= node_adv != 0
     edges = keep.nonzero().squeeze(1)

@@ -230,7 +230,7 @@ class T2ITrainer:
         if self.dist.active:  # the same structure for every batch: a global tree without states for credit
             logps = gather([t.edge_logp for t in trees]).view(n_chunks, -1)
             skeleton = [replace(trees[0], states=torch.empty(trees[0].num_nodes, 0), probe_latents=None,
-                                edge_mean=None, edge_logp=logps[c]) for c in range(n_chunks)]
+                                edge_mean=None, edge_logp=logps[c], leaf_images=None) for c in range(n_chunks)]
             global_tree = concat_trees(skeleton)
         else:
             global_tree = local
@@ -362,7 +362,7 @@ class T2ITrainer:
                         metrics_sum += float(per.detach().sum())
                         n_terms += micro.numel()
                 self._optimizer_step(record, grad_norms)
-        decay = old_decay(self.iteration, nft.decay)
+        decay = old_decay(self.optimizer_steps, nft.decay)  # optimizer steps so far, as the release's global_step
         soft_update(self.old_params, self.params, decay)
         record.update({"loss/policy": metrics_sum / max(n_terms, 1), "nft/old_decay": decay,
                        "backward_passes": backwards, "nft/mean_r": float(opt_r[keep].mean()) if keep.numel() else math.nan})

@@ -543,6 +543,8 @@ def ref_policy_loss(inp: dict, cfg: dict, norm_from: dict | None = None) -> tupl
             if kcoef:
                 if kname == "gaussian":
                     kl = inp["msd_ref"][i, t] / (2 * inp["std"][i, t] ** 2)
+                elif kname == "flow_grpo":  # divides by std_dev_t^2 = std^2 / dt
+                    kl = inp["msd_ref"][i, t] / (2 * inp["std"][i, t] ** 2 / inp["dt"][i, t])
                 else:
                     x = logp[i, t] - inp["logp_ref"][i, t]  # log pi - log pi_ref
                     kl = {"k1": x, "k2": 0.5 * x * x, "k3": math.exp(-x) + x - 1, "k3+": math.exp(-x) + x - 1}[kname]

@@ -27,8 +27,13 @@ ROLLOUT_KEYS = ("reward_mean", "reward_std", "adv/mean", "adv/std", "adv/abs_max
                 "plan/trained_steps", "images", "nfe_nograd", "nfe_grad", "backward_passes", "reward_calls")
 
 
-def _run(launch_ranks, out: Path, world: int, *extra: str) -> Path:
-    launch_ranks("train_t2i.py", [str(ROOT / "configs/t2i/tiny/flow_grpo.yaml"), f"output_dir={out}", *ARGS,
+# the published FLUX runs' per-sample trained steps and decoded x0 must agree across ranks too
+PUBLISHED_FLUX = ["sampler.schedule={name: time_shift, shift: 3.0, integer_timesteps: true}", "sampler.decode=last_x0",
+                  "plan={name: full_sde, train_fraction: 1.0}", "edges.per_sample_fraction=0.6", "edges.exclude_last=true"]
+
+
+def _run(launch_ranks, out: Path, world: int, *extra: str, recipe: str = "flow_grpo") -> Path:
+    launch_ranks("train_t2i.py", [str(ROOT / f"configs/t2i/tiny/{recipe}.yaml"), f"output_dir={out}", *ARGS,
                                   *extra], world)
     return out
 
@@ -44,10 +49,12 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def test_rollouts_and_advantages_match_to_the_last_bit(tmp_path, launch_ranks):
-    frozen = ["iterations=2", "optim.lr=0", f"train.micro_batch_size={MICRO}"]
-    one = read_metrics(_run(launch_ranks, tmp_path / "one", 1, *frozen) / "metrics.jsonl")
-    two = read_metrics(_run(launch_ranks, tmp_path / "two", 2, *frozen) / "metrics.jsonl")
+@pytest.mark.parametrize("recipe, extra", [("flow_grpo", ()), ("dance_grpo", tuple(PUBLISHED_FLUX))],
+                         ids=["flow_grpo", "dance_grpo_published"])
+def test_rollouts_and_advantages_match_to_the_last_bit(tmp_path, launch_ranks, recipe, extra):
+    frozen = ["iterations=2", "optim.lr=0", f"train.micro_batch_size={MICRO}", *extra]
+    one = read_metrics(_run(launch_ranks, tmp_path / "one", 1, *frozen, recipe=recipe) / "metrics.jsonl")
+    two = read_metrics(_run(launch_ranks, tmp_path / "two", 2, *frozen, recipe=recipe) / "metrics.jsonl")
     assert [r["iteration"] for r in two] == [1, 2]
     for a, b in zip(one, two):
         for key in ROLLOUT_KEYS:
