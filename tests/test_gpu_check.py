@@ -47,3 +47,23 @@ def test_tiny_gpu_check_end_to_end(tmp_path):
     assert vllm["skipped"] or not vllm["error"]
     text = out.read_text()
     assert "ours / diffusers images/s" in text and "FlopCounterMode" in text and "Tiny mode" in text
+
+
+def test_real_size_models_fit_together_on_the_meta_device():
+    """The real-size builders (published configs, stand-in encoders) give the transformer the inputs it
+    expects at 512 px: one forward each on the meta device (no memory, no GPU)."""
+    import torch
+
+    from flowgrpo.gpu_check import models
+
+    for build, n_text, params, cfg_mode in ((models.sd35_medium, 333, 2.2, "full"),
+                                            (models.flux_dev, 512, 11.9, "none")):
+        adapter = build(models.FULL, "meta", torch.bfloat16)
+        assert abs(sum(p.numel() for p in adapter.denoiser.parameters()) / 1e9 - params) < 0.1
+        adapter.add_lora(rank=32)
+        embeds = adapter.encode_prompts(["a cat"])
+        assert embeds.cond.shape[1] == n_text  # CLIP 77 + T5 256 (SD3.5), T5 512 (FLUX-dev)
+        x = torch.randn(1, *adapter.latent_shape(512, 512), device="meta")
+        with torch.no_grad():
+            out = adapter.model_output(x, torch.tensor([0.5], device="meta"), embeds, 4.5, cfg_mode)
+        assert out.shape == x.shape and out.dtype == torch.float32
