@@ -10,6 +10,7 @@ softmax) is not counted, as in the usual MFU convention; on CPU the SDPA kernel 
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
 from typing import Any, Callable, Optional
 
@@ -20,10 +21,10 @@ from flowgrpo.core import LossConfig, LossNormalizer
 from flowgrpo.t2i.objectives import EdgeObjective, edge_batch
 from pipelines.plans import build_plan
 from pipelines.sampler import Sampler, SamplerConfig
-from pipelines.speed import CompileConfig, SpeedConfig, apply_speed, compile_blocks
+from pipelines.speed import CompileConfig, SpeedConfig, apply_speed, compile_blocks, set_attention_backend
 
 from . import models
-from .device import DeviceInfo, free, peak_memory_gib, reset_peak_memory, timed
+from .device import DeviceInfo, peak_memory_gib, reset_peak_memory, timed
 from .report import Section
 
 PROMPTS = ["a photograph of an astronaut riding a horse", "a red bicycle leaning on a blue wall",
@@ -153,6 +154,7 @@ def sd35_check(sizes: models.Sizes, info: DeviceInfo, dtype: torch.dtype, speed:
                         "MFU train step": mfu(f_train, t_train, info),
                         "peak memory GiB (train step)": peak_memory_gib(device)})
 
+    sec.figures.update(attention_variant(adapter, ours, t_ours, images, info, sizes.repeats, sec.notes))
     if compile_variant:
         backend = speed.compile.backend if speed.compile.enabled else sizes.compile_backend
         cfg = CompileConfig(enabled=True, backend=backend)
@@ -164,7 +166,7 @@ def sd35_check(sizes: models.Sizes, info: DeviceInfo, dtype: torch.dtype, speed:
         sec.figures.update({
             "compile s (first compiled rollout)": compile_s[0], "ours compiled images/s": images / t_ours_c,
             "compiled / eager images/s (ratio)": t_ours / t_ours_c,
-            "compiled / diffusers images/s (ratio)": t_pipe / t_ours_c,
+            "compiled / diffusers images/s (ratio)": t_pipe / t_ours_c, "MFU rollout ours compiled": mfu(f_ours, t_ours_c, info),
             "ratio |r - 1| max, compiled (no grad)": ratio_deviation(sampler, adapter, tree_c, prompts,
                                                                       sizes.micro_batch)})
         step_c = TrainStep(sampler, adapter, params, tree_c, prompts, sizes.micro_batch)
@@ -172,9 +174,23 @@ def sd35_check(sizes: models.Sizes, info: DeviceInfo, dtype: torch.dtype, speed:
         sec.figures.update({"train step s, compiled": t_train_c, "compiled / eager train step (speed ratio)":
                             t_train / t_train_c})
         sec.notes.append(f"regional compile: each block compiled on its own, backend {backend}")
-    del adapter, params, tree, step
-    free(device)
     return sec
+
+
+def attention_variant(adapter, rollout: Callable[[], Any], t_native: float, images: int, info: DeviceInfo,
+                      repeats: int, notes: list[str]) -> dict[str, Optional[float]]:
+    """Our rollout with xformers attention against PyTorch SDPA, when xformers is installed (CUDA)."""
+    if importlib.util.find_spec("xformers") is None or not info.device.startswith("cuda"):
+        notes.append("attention: PyTorch SDPA only (xformers variant skipped: "
+                     + ("not installed)" if importlib.util.find_spec("xformers") is None else "needs CUDA)"))
+        return {}
+    before = adapter.denoiser.attn_processors
+    try:
+        set_attention_backend(adapter, "xformers")
+        t = median_seconds(rollout, info.device, repeats)
+    finally:
+        adapter.denoiser.set_attn_processor(before)  # back to the processors the other figures used
+    return {"ours images/s, xformers attention": images / t, "xformers / SDPA images/s (ratio)": t_native / t}
 
 
 def flux_check(sizes: models.Sizes, info: DeviceInfo, dtype: torch.dtype, speed: SpeedConfig) -> Section:
@@ -200,6 +216,4 @@ def flux_check(sizes: models.Sizes, info: DeviceInfo, dtype: torch.dtype, speed:
     reset_peak_memory(device)
     sec.figures["train step s (checkpointed fwd+bwd + AdamW)"] = median_seconds(step, device, sizes.repeats)
     sec.figures["peak memory GiB (train step)"] = peak_memory_gib(device)
-    del adapter, params, tree, step
-    free(device)
     return sec

@@ -16,7 +16,7 @@ import torch
 from pipelines.speed import SpeedConfig
 
 from . import models
-from .device import describe
+from .device import describe, free
 from .image import flux_check, sd35_check
 from .report import Report, Section, write
 from .text import text_check
@@ -39,13 +39,14 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _run(sec_fn: Callable[[], Section], title: str) -> Section:
+def _run(sec_fn: Callable[[], Section], title: str, device: str) -> Section:
     t0 = time.perf_counter()
     try:
         sec = sec_fn()
     except Exception as err:  # one failed check must not lose the others' figures
         traceback.print_exc()
         sec = Section(title, error=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+    free(device)  # the check's models are gone once it returns: give their memory back before the next
     sec.seconds = time.perf_counter() - t0
     print(f"[gpu_check] {sec.title}: {sec.error or sec.skipped or 'done'} ({sec.seconds:.1f} s)", file=sys.stderr,
           flush=True)
@@ -67,12 +68,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     start = time.perf_counter()
     sections = []
     if "sd35" not in args.skip:
-        sections.append(_run(lambda: sd35_check(sizes, info, dtype, speed, not args.no_compile), "SD3.5-Medium"))
+        sections.append(_run(lambda: sd35_check(sizes, info, dtype, speed, not args.no_compile), "SD3.5-Medium", device))
     if "flux" not in args.skip:
-        sections.append(_run(lambda: flux_check(sizes, info, dtype, speed), "FLUX.1-dev"))
+        sections.append(_run(lambda: flux_check(sizes, info, dtype, speed), "FLUX.1-dev", device))
     for backend, key in (("transformers", "text"), ("vllm", "vllm")):
         if key not in args.skip:
-            sections.append(_run(lambda b=backend: text_check(sizes, info, dtype, b), f"text ({backend})"))
+            sections.append(_run(lambda b=backend: text_check(sizes, info, dtype, b), f"text ({backend})", device))
     command = "python scripts/gpu_check.py" + "".join(f" {shlex.quote(a)}" for a in (argv or sys.argv[1:]))
     report = Report(command=command, mode="tiny" if args.tiny else "full", info=info, sections=sections,
                     total_seconds=time.perf_counter() - start)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from . import models
-from .device import DeviceInfo, free, peak_memory_gib, reset_peak_memory
+from .device import DeviceInfo, peak_memory_gib, reset_peak_memory
 from .report import Section
 
 TIME_KEYS = {"time/step": "step s", "time/generate": "generate s", "time/logprob": "log-prob s",
@@ -69,5 +69,4 @@ def text_check(sizes: models.Sizes, info: DeviceInfo, dtype: torch.dtype, backen
         (float(r["check/first_pass_ratio_dev"]) for r in records if "check/first_pass_ratio_dev" in r), default=None)
     sec.figures["peak memory GiB"] = peak_memory_gib(info.device)
     sec.notes.append(f"{len(records)} trainer steps; figures are medians of the {len(timed_records)} after the first")
-    free(info.device)
     return sec
