@@ -16,9 +16,9 @@ NOT_ON_CPU = {"peak memory GiB", "peak memory GiB (train step)"}  # no allocator
 def test_tiny_gpu_check_end_to_end(tmp_path):
     before = DOCS.read_bytes() if DOCS.exists() else None
     out = tmp_path / "report.md"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--tiny", "--device", "cpu",
-                           "--out", str(out), "--peak-tflops", "1.0"],
+                           "--out", str(out), "--peak-tflops", "1.0", "--threads", "1"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.with_suffix(".json").read_text())

@@ -48,7 +48,7 @@ class Sizes:
     text_prompts: int
     text_group: int
     text_new_tokens: int
-    compile_backend: str    # inductor on a GPU; aot_eager for the tiny CPU run (graph capture, no codegen)
+    compile_backend: str    # inductor on a GPU; eager for the tiny CPU run (dynamo graph capture only)
 
 
 FULL = Sizes(tiny=False, resolution=512, steps=10, prompts=2, group=4, lora_rank=32, micro_batch=8, repeats=3,
@@ -56,7 +56,7 @@ FULL = Sizes(tiny=False, resolution=512, steps=10, prompts=2, group=4, lora_rank
              text_new_tokens=128, compile_backend="inductor")
 TINY = Sizes(tiny=True, resolution=32, steps=3, prompts=1, group=2, lora_rank=4, micro_batch=2, repeats=1,
              flux_resolution=32, flux_steps=2, flux_micro_batch=2, text_prompts=2, text_group=2,
-             text_new_tokens=6, compile_backend="aot_eager")
+             text_new_tokens=6, compile_backend="eager")
 
 
 def spec_config(name: str) -> dict[str, Any]:

@@ -36,6 +36,7 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-compile", action="store_true", help="leave out the regional-compile variant of the SD3.5 check")
     p.add_argument("--attention", default="native", help="diffusers attention backend (native = PyTorch SDPA)")
     p.add_argument("--decode-batch-size", type=int, default=4, help="VAE decode chunk (images)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 on a shared CPU: no stalled barriers)")
     return p.parse_args(argv)
 
 
@@ -61,6 +62,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("gpu_check: no CUDA device here; the real-size check needs one (run with --tiny for the CPU smoke "
               "run of the same code)", file=sys.stderr)
         return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
     sizes = models.TINY if args.tiny else models.FULL
     dtype = getattr(torch, args.dtype)
     speed = SpeedConfig(attention_backend=args.attention, decode_batch_size=args.decode_batch_size)
