@@ -43,7 +43,7 @@ def _assert_same(a, b, atol=1e-5):
         torch.testing.assert_close(ga, gb, atol=atol, rtol=1e-3)
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux"])
+@pytest.mark.parametrize("family", ["sd3", "flux", "sd15", "qwenimage"])
 def test_regional_compile_gives_the_same_outputs_and_grads(family):
     plain = _output_and_grads(*_adapter(family)[:2])
     adapter, params, done = _adapter(family, compile={"enabled": True, "backend": "aot_eager"})
@@ -54,10 +54,11 @@ def test_regional_compile_gives_the_same_outputs_and_grads(family):
     assert {n for n, _ in adapter.denoiser.named_parameters()} == {n for n, _ in _adapter(family)[0].denoiser.named_parameters()}
 
 
-def test_gradient_checkpointing_gives_the_same_grads():
-    plain = _output_and_grads(*_adapter("sd3")[:2])
-    adapter, params, done = _adapter("sd3", gradient_checkpointing=True)
-    assert done["gradient_checkpointing"] and adapter.denoiser.gradient_checkpointing
+@pytest.mark.parametrize("family", ["sd3", "flux", "sd15"])
+def test_gradient_checkpointing_gives_the_same_grads(family):
+    plain = _output_and_grads(*_adapter(family)[:2])
+    adapter, params, done = _adapter(family, gradient_checkpointing=True)
+    assert done["gradient_checkpointing"] and adapter.denoiser.is_gradient_checkpointing
     _assert_same(plain, _output_and_grads(adapter, params))
 
 
@@ -141,5 +142,5 @@ def test_t2i_model_config_applies_the_switches():
     cfg = ModelConfig(tiny=True, device="cpu", speed={"gradient_checkpointing": True, "decode_batch_size": 3,
                                                       "cfg_forward": "split"})
     adapter, params = build_policy(cfg)
-    assert adapter.denoiser.gradient_checkpointing and adapter.decode_batch_size == 3
+    assert adapter.denoiser.is_gradient_checkpointing and adapter.decode_batch_size == 3
     assert adapter.cfg_forward == "split" and params

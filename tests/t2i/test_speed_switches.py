@@ -25,7 +25,7 @@ def _first_record(recipe_config, *overrides, name):
 def test_neutral_switches_leave_the_iteration_unchanged(recipe_config):
     _, plain = _first_record(recipe_config, name="plain")
     trainer, fast = _first_record(recipe_config, *NEUTRAL, name="fast")
-    assert trainer.adapter.denoiser.gradient_checkpointing and trainer.adapter.cfg_forward == "split"
+    assert trainer.adapter.denoiser.is_gradient_checkpointing and trainer.adapter.cfg_forward == "split"
     assert trainer.sampler.config.inference_mode
     for key in KEYS:
         assert key in plain, key
