@@ -216,4 +216,15 @@ def flux_check(sizes: models.Sizes, info: DeviceInfo, dtype: torch.dtype, speed:
     reset_peak_memory(device)
     sec.figures["train step s (checkpointed fwd+bwd + AdamW)"] = median_seconds(step, device, sizes.repeats)
     sec.figures["peak memory GiB (train step)"] = peak_memory_gib(device)
+    # what checkpointing buys: one edge per micro-batch, with and without it (without fits at 1 edge)
+    single = {}
+    for on in (True, False):
+        (adapter.denoiser.enable_gradient_checkpointing if on else adapter.denoiser.disable_gradient_checkpointing)()
+        reset_peak_memory(device)
+        single[on] = (median_seconds(TrainStep(sampler, adapter, params, tree, prompts, 1), device, 1),
+                      peak_memory_gib(device))
+    sec.figures.update({"1-edge step s, checkpointed": single[True][0], "1-edge step s, not checkpointed": single[False][0],
+                        "1-edge peak memory GiB, checkpointed": single[True][1],
+                        "1-edge peak memory GiB, not checkpointed": single[False][1],
+                        "checkpointed / not step time (ratio)": single[True][0] / single[False][0]})
     return sec
