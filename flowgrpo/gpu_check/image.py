@@ -103,7 +103,7 @@ class TrainStep:
 def sd35_check(sizes: models.Sizes, info: DeviceInfo, dtype: torch.dtype, speed: SpeedConfig,
                compile_variant: bool) -> Section:
     device = info.device
-    sec = Section("SD3.5-Medium-size transformer: rollout, LoRA step, MFU, on-policy ratio")
+    sec = Section(models.stand_in(sizes) + "SD3.5-Medium-size transformer: rollout, LoRA step, MFU, on-policy ratio")
     adapter = models.sd35_medium(sizes, device, dtype)
     params = adapter.add_lora(rank=sizes.lora_rank)
     _activate_lora(params)
@@ -196,7 +196,7 @@ def attention_variant(adapter, rollout: Callable[[], Any], t_native: float, imag
 def flux_check(sizes: models.Sizes, info: DeviceInfo, dtype: torch.dtype, speed: SpeedConfig) -> Section:
     """FLUX.1-dev-size LoRA step with gradient checkpointing of the blocks: time and peak memory."""
     device = info.device
-    sec = Section("FLUX.1-dev-size transformer: LoRA step with gradient checkpointing")
+    sec = Section(models.stand_in(sizes) + "FLUX.1-dev-size transformer: LoRA step with gradient checkpointing")
     adapter = models.flux_dev(sizes, device, dtype)
     params = adapter.add_lora(rank=sizes.lora_rank)
     _activate_lora(params)

@@ -84,7 +84,7 @@ def markdown(report: Report) -> str:
                                                for k, v in sec.settings.items()), ""]
         if sec.figures:
             lines += ["| figure | value |", "|---|---|"]
-            lines += [f"| {k} | {_fmt(v)} |" for k, v in sec.figures.items()]
+            lines += [f"| {k.replace('|', chr(92) + '|')} | {_fmt(v)} |" for k, v in sec.figures.items()]
             lines.append("")
         lines += [f"- {n}" for n in sec.notes] + [f"- check time: {sec.seconds:.1f} s", ""]
     return "\n".join(lines)

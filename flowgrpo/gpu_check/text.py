@@ -35,7 +35,7 @@ def vllm_unavailable(device: str) -> str | None:
 def text_check(sizes: models.Sizes, info: DeviceInfo, dtype: torch.dtype, backend: str) -> Section:
     from flowgrpo.text import load_text_config, train_text
 
-    sec = Section(f"Qwen2.5-0.5B-size text GRPO step, generation backend {backend}")
+    sec = Section(models.stand_in(sizes) + f"Qwen2.5-0.5B-size text GRPO step, generation backend {backend}")
     if backend == "vllm":
         sec.skipped = vllm_unavailable(info.device)
         if sec.skipped:
