@@ -6,7 +6,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-import reward_models._import_hooks  # noqa: E402,F401  (torchvision on a CPU torch)
+import flowgrpo.torchvision_hook  # noqa: E402,F401  (torchvision on a CPU torch)
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
