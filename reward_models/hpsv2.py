@@ -1,4 +1,4 @@
-"""HPSv2 / HPSv2.1: human preference score on an OpenCLIP ViT-H/14 (research/reward_models.md §2.2).
+"""HPSv2 / HPSv2.1: human preference score on an OpenCLIP ViT-H/14 (the HPSv2 paper and release).
 
 score = cos(image, text) = <f_img / |f_img|, f_txt / |f_txt|>, the published recipe: the model's
 L2-normalised image and text features, dotted, with no logit scale. Range [-1, 1]; typical 0.20-0.35

@@ -140,7 +140,7 @@ def a_grae(batch: GroupBatch, *, alpha: float = 1.0, eps: float = 1e-6, std_eps:
     """A-GRAE: GRPO advantage reweighted from easy to hard prompts as batch accuracy rises.
 
     Rewards are read as accuracies in [0, 1]. Positive advantages are damped by min(1, batch acc / alpha).
-    The eps of the difficulty terms was not stated in the notes we have: it is a setting.
+    The eps of the difficulty terms is not stated in the paper: it is a setting.
     """
     r = batch.scalar_rewards()
     ok = batch.usable(r)
