@@ -26,6 +26,7 @@ class SamplerConfig(StrictModel):
     num_steps: int = 10
     sde_kernel: PartSpec = Field(default_factory=lambda: PartSpec(name="flow_sde"))
     guidance_scale: float = 4.5
+    negative_prompt: str = ""                    # the unconditional branch of CFG
     cfg_mode: Literal["full", "none"] = "full"   # sampling; training re-scores with `train_cfg_mode`
     train_cfg_mode: Literal["full", "detach_uncond", "none"] = "detach_uncond"
     shift: Optional[float] = None                # None: the adapter's scheduler config decides
@@ -186,7 +187,7 @@ class Sampler:
                 plan, roots = replace(plan, steps=tuple(steps)), 1
         before = self.counters.as_dict()
         schedule = self.schedule(adapter, plan)
-        embeds = adapter.encode_prompts(prompts)
+        embeds = adapter.encode_prompts(prompts, self.config.negative_prompt)
         device = next(adapter.denoiser.parameters()).device
         shape = adapter.latent_shape(cfg.height, cfg.width)
         P = len(prompts)
@@ -292,7 +293,7 @@ class Sampler:
         steps = tree.edge_step[edges]
         x = tree.states[tree.parent[edges]]
         x_next = tree.states[edges]
-        embeds = adapter.encode_prompts(prompts)
+        embeds = adapter.encode_prompts(prompts, self.config.negative_prompt)
         mode = cfg_mode or self.config.train_cfg_mode
         if self.config.cfg_mode == "none":
             mode = "none"
