@@ -213,7 +213,7 @@ class T2IConfig(StrictModel):
                              "sampler.schedule {name: time_shift, shift: ...}")
         if self.edges.exclude_last and self.edges.per_sample_fraction is None:
             raise ValueError("edges.exclude_last belongs to the per-sample step subsets: set per_sample_fraction")
-        if self.edges.per_sample_fraction is not None and (needs or plan not in ("full_sde", "window")
+        if self.edges.per_sample_fraction is not None and (needs.plan or plan not in ("full_sde", "window")
                                                            or est == "tree_depth" or self.method != "grpo"):
             raise ValueError("edges.per_sample_fraction picks steps per final sample: it needs method grpo, a "
                              f"chain plan (full_sde, window) and a sample-level estimator, not plan '{plan}' "
