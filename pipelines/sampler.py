@@ -26,6 +26,7 @@ class SamplerConfig(StrictModel):
     num_steps: int = 10
     sde_kernel: PartSpec = Field(default_factory=lambda: PartSpec(name="flow_sde"))
     guidance_scale: float = 4.5
+    negative_prompt: str = ""                    # the unconditional branch of CFG
     cfg_mode: Literal["full", "none"] = "full"   # sampling; training re-scores with `train_cfg_mode`
     train_cfg_mode: Literal["full", "detach_uncond", "none"] = "detach_uncond"
     shift: Optional[float] = None                # None: the adapter's scheduler config decides
@@ -176,7 +177,7 @@ class Sampler:
         """Sample `group_size` final states per prompt by `plan`; returns every node and edge."""
         if not self.config.inference_mode:
             return self._run(adapter, prompts, plan, group_size, generator)
-        adapter.encode_prompts(prompts)  # cached outside inference mode: training reuses these rows
+        adapter.encode_prompts(prompts, self.config.negative_prompt)  # cached outside inference mode: training reuses these rows
         with torch.inference_mode():
             tree = self._run(adapter, prompts, plan, group_size, generator)
         return _out_of_inference_mode(tree)
@@ -200,7 +201,7 @@ class Sampler:
         before = self.counters.as_dict()
         with torch.inference_mode(False):  # the schedule is stored on the tree and used with grad later
             schedule = self.schedule(adapter, plan)
-        embeds = adapter.encode_prompts(prompts)
+        embeds = adapter.encode_prompts(prompts, self.config.negative_prompt)
         device = next(adapter.denoiser.parameters()).device
         shape = adapter.latent_shape(cfg.height, cfg.width)
         P = len(prompts)
@@ -306,7 +307,7 @@ class Sampler:
         steps = tree.edge_step[edges]
         x = tree.states[tree.parent[edges]]
         x_next = tree.states[edges]
-        embeds = adapter.encode_prompts(prompts)
+        embeds = adapter.encode_prompts(prompts, self.config.negative_prompt)
         mode = cfg_mode or self.config.train_cfg_mode
         if self.config.cfg_mode == "none":
             mode = "none"

@@ -347,7 +347,7 @@ def test_on_policy_ratio_is_one():
 
 # --- presets ----------------------------------------------------------------------------------
 
-# What each preset means, written from the notes (anchors_text_grpo.md 1.1.6, 2.0, 2.4; flow_methods.md 0, 4).
+# What each preset means, written from its paper (DeepSeekMath GRPO, Dr. GRPO, DAPO, GSPO; Flow-GRPO, GRPO-Guard).
 PRESET_REFERENCE = {
     "grpo": dict(bounds=("symmetric", {"eps": 0.2}), aggregation="seq_mean_token_mean"),
     "bnpo": dict(bounds=("symmetric", {"eps": 0.2}), aggregation="local_token_mean"),

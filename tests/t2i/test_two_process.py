@@ -23,8 +23,9 @@ ARGS = ["prompts_per_iteration=4", "rollout_prompts=1", "num_threads=1", "progre
         "artifacts.tensorboard=false", "artifacts.plot=false", "artifacts.save_lora=false", "loss.kl.coef=0.01",
         "train.mini_batches=2", "advantage.estimator.std_scope=batch"]
 MICRO = 7  # micro-batches straddle rollout batches in one process, never across ranks in two
+# world-size invariant quantities (backward_passes is not: each rank splits its own edges into micro-batches)
 ROLLOUT_KEYS = ("reward_mean", "reward_std", "adv/mean", "adv/std", "adv/abs_max", "edges/trained",
-                "plan/trained_steps", "images", "nfe_nograd", "nfe_grad", "backward_passes", "reward_calls")
+                "plan/trained_steps", "images", "nfe_nograd", "nfe_grad", "reward_calls")
 
 
 # the published FLUX runs' per-sample trained steps and decoded x0 must agree across ranks too
