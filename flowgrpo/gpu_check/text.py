@@ -19,8 +19,8 @@ from . import models
 from .device import DeviceInfo, peak_memory_gib, reset_peak_memory
 from .report import Section
 
-TIME_KEYS = {"time/step": "step s", "time/generate": "generate s", "time/logprob": "log-prob s",
-             "time/train": "train s", "tokens/per_second_generate": "generated tokens/s"}
+TIME_KEYS = {"time_step_s": "step s", "time_rollout_s": "generate s", "time_logprob_s": "log-prob s",
+             "time_train_s": "train s", "tokens/per_second_generate": "generated tokens/s"}
 
 
 def vllm_unavailable(device: str) -> str | None:
