@@ -17,6 +17,7 @@ from ..core.advantages import ESTIMATORS
 from ..run.config import CheckpointConfig, EMAConfig, OptimConfig, RatioCheckConfig
 from pipelines.plans import PLANS
 from pipelines.sampler import SamplerConfig
+from pipelines.speed import SpeedConfig
 
 DEFAULTS: dict[str, Any] = {
     "advantage": {"estimator": {"name": "grpo", "unbiased": False}, "transforms": [{"name": "clip", "max": 5.0}]},
@@ -47,6 +48,9 @@ class ModelConfig(StrictModel):
     finetune: Literal["lora", "full"] = "lora"
     lora: LoraSettings = Field(default_factory=LoraSettings)
     init_lora: Optional[str] = None           # start from a saved LoRA folder / file
+    # GPU speed switches (regional compile, attention backend, autocast, CFG forward, chunked decode,
+    # gradient checkpointing): pipelines.speed.SpeedConfig, applied by build_policy after LoRA is attached
+    speed: SpeedConfig = Field(default_factory=SpeedConfig)
 
     @model_validator(mode="after")
     def _source(self) -> "ModelConfig":
@@ -54,7 +58,7 @@ class ModelConfig(StrictModel):
             raise ValueError("model: set exactly one of `pretrained: <path or hub id>` or `tiny: true`")
         if self.finetune == "full" and self.dtype != "float32":
             raise ValueError("model: full fine-tuning keeps float32 master weights; use dtype float32 "
-                             "(mixed precision is for LoRA over a low-precision base)")
+                             "(bf16 compute on fp32 weights: speed.autocast bfloat16)")
         return self
 
 

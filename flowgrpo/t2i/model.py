@@ -18,6 +18,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def build_policy(cfg: ModelConfig):
     """(adapter, trainable parameters). Frozen weights in cfg.dtype; LoRA weights in float32."""
     from pipelines.adapters import build_adapter
+    from pipelines.speed import apply_speed
 
     device = resolve_device(cfg.device)
     dtype = DTYPES[cfg.dtype]
@@ -30,12 +31,12 @@ def build_policy(cfg: ModelConfig):
         params = list(adapter.denoiser.parameters())
         for p in params:
             p.requires_grad_(True)
-        return adapter, params
-    if cfg.init_lora:
+    elif cfg.init_lora:
         params = adapter.load_lora(cfg.init_lora)
     else:
         params = adapter.add_lora(rank=cfg.lora.rank, alpha=cfg.lora.alpha, init=cfg.lora.init,
                                   target_modules=cfg.lora.target_modules)
+    apply_speed(adapter, cfg.speed)  # after LoRA: compiled blocks include the LoRA layers
     return adapter, params
 
 

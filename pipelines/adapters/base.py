@@ -64,6 +64,11 @@ class PromptEmbeds:
     def conditional(self) -> dict[str, Tensor | None]:
         return {"embeds": self.cond, "pooled": self.pooled, "mask": self.mask}
 
+    def unconditional(self) -> dict[str, Tensor | None]:
+        if self.uncond is None:
+            raise ValueError("these PromptEmbeds have no uncond branch; encode them with a negative prompt")
+        return {"embeds": self.uncond, "pooled": self.uncond_pooled, "mask": self.uncond_mask}
+
     def cfg_pair(self) -> dict[str, Tensor | None]:
         """[uncond; cond] stacked on the batch dim, the order diffusers' pipelines use."""
         if self.uncond is None:
@@ -94,6 +99,12 @@ class Adapter(abc.ABC):
     # the batch they are encoded in, and a prompt's embedding must not depend on which prompts came
     # before it (exact resume; the same rollout whatever the cache held). Each prompt is encoded once.
     encode_batch_size: ClassVar[int] = 1
+    block_names: ClassVar[tuple[str, ...]] = ("transformer_blocks",)  # the denoiser's repeated blocks (compile)
+    # Speed switches (pipelines.speed.apply_speed sets them): autocast dtype of denoiser forwards, CFG in
+    # one batched forward or two, VAE decode chunk size (None: all images at once).
+    autocast_dtype: torch.dtype | None = None
+    cfg_forward: str = "batched"
+    decode_batch_size: int | None = None
 
     def __init__(self, pipe: Any, *, max_sequence_length: int | None = None, prompt_cache_size: int = 256):
         self.pipe = pipe
@@ -217,13 +228,25 @@ class Adapter(abc.ABC):
             raise ValueError(f"embeds have {len(embeds)} rows but latents have {b}")
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).reshape(-1).expand(b)
         x = latents.to(self.dtype)
-        if cfg_mode == "none":
-            return self._forward(x, sigma, embeds.conditional(), guidance_scale).float()
-        out = self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]), embeds.cfg_pair(), None).float()
-        uncond, cond = out.chunk(2)
+        with self._precision(x):
+            if cfg_mode == "none":
+                return self._forward(x, sigma, embeds.conditional(), guidance_scale).float()
+            if self.cfg_forward == "split":  # two forwards; the uncond one keeps no activations when detached
+                with torch.set_grad_enabled(torch.is_grad_enabled() and cfg_mode != "detach_uncond"):
+                    uncond = self._forward(x, sigma, embeds.unconditional(), None).float()
+                cond = self._forward(x, sigma, embeds.conditional(), None).float()
+            else:
+                out = self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]), embeds.cfg_pair(), None).float()
+                uncond, cond = out.chunk(2)
         if cfg_mode == "detach_uncond":
             uncond = uncond.detach()
         return self._combine(uncond, cond, guidance_scale)
+
+    def _precision(self, x: Tensor) -> contextlib.AbstractContextManager:
+        """Autocast of denoiser forwards when `autocast_dtype` is set (weights keep their own dtype)."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=x.device.type, dtype=self.autocast_dtype)
 
     def _combine(self, uncond: Tensor, cond: Tensor, w: float) -> Tensor:
         return uncond + w * (cond - uncond)
@@ -235,7 +258,14 @@ class Adapter(abc.ABC):
     # ---- images --------------------------------------------------------------------------------
 
     def decode(self, latents: Tensor) -> Tensor:
-        """Images [B, 3, H, W] float32 in [0, 1]; latents are un-scaled / un-shifted as the VAE expects."""
+        """Images [B, 3, H, W] float32 in [0, 1]; latents are un-scaled / un-shifted as the VAE expects.
+        With `decode_batch_size`, decoded in chunks of that many (same images, lower peak memory)."""
+        n = self.decode_batch_size
+        if n is not None and latents.shape[0] > n:
+            return torch.cat([self._decode(chunk) for chunk in latents.split(n)])
+        return self._decode(latents)
+
+    def _decode(self, latents: Tensor) -> Tensor:
         cfg = self.vae.config
         z = latents.to(self.vae.dtype) / cfg.scaling_factor + (getattr(cfg, "shift_factor", None) or 0.0)
         image = self.vae.decode(z, return_dict=False)[0]

@@ -45,6 +45,7 @@ class FluxAdapter(Adapter):
     # Attention projections of the double-stream blocks (image + text) and single-stream blocks.
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
     default_max_sequence_length = 512  # FLUX.1-dev's T5 length (schnell: 256, set in __init__)
+    block_names = ("transformer_blocks", "single_transformer_blocks")  # double- then single-stream
 
     options = (*Adapter.options, "embedded_guidance")
 

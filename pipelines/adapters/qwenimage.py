@@ -76,7 +76,7 @@ class QwenImageAdapter(Adapter):
         c, g = pack(cond), pack(guided)
         return unpack(g * (c.norm(dim=-1, keepdim=True) / g.norm(dim=-1, keepdim=True)), h, wd)
 
-    def decode(self, latents: Tensor) -> Tensor:
+    def _decode(self, latents: Tensor) -> Tensor:
         cfg = self.vae.config
         shape = (1, cfg.z_dim, 1, 1, 1)
         mean = torch.tensor(cfg.latents_mean, device=latents.device).view(shape)

@@ -20,6 +20,7 @@ class SD15Adapter(Adapter):
     # Attention projections of the UNet's self- and cross-attention (diffusers' text-to-image LoRA).
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     default_max_sequence_length = 77  # fixed by CLIP; unused, the tokenizer's length rules
+    block_names = ("down_blocks", "mid_block", "up_blocks")  # UNet stages (compiled one by one)
 
     def __init__(self, pipe: Any, **kw: Any):
         from diffusers import DDIMScheduler

@@ -20,12 +20,13 @@ def _byte_chars() -> list[str]:
     return [chr(b) for b in keep] + [chr(256 + i) for i in range(len(extra))]
 
 
-def clip_tokenizer():
+def clip_tokenizer(max_len: int = MAX_LEN):
+    """max_len: 16 for tiny models; 77 (CLIP's real length) for the real-size random checks."""
     from transformers import CLIPTokenizer
 
     chars = _byte_chars()
     tokens = ["<|startoftext|>", "<|endoftext|>", *chars, *(c + "</w>" for c in chars)]
-    return CLIPTokenizer(vocab={t: i for i, t in enumerate(tokens)}, merges=[], model_max_length=MAX_LEN)
+    return CLIPTokenizer(vocab={t: i for i, t in enumerate(tokens)}, merges=[], model_max_length=max_len)
 
 
 def t5_tokenizer():
@@ -37,12 +38,12 @@ def t5_tokenizer():
     return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=MAX_LEN)
 
 
-def clip_config(hidden: int = 32, projection: int = 32) -> Any:
+def clip_config(hidden: int = 32, projection: int = 32, max_len: int = MAX_LEN) -> Any:
     from transformers import CLIPTextConfig
 
     return CLIPTextConfig(
         vocab_size=514, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=MAX_LEN, projection_dim=projection,
+        num_attention_heads=4, max_position_embeddings=max_len, projection_dim=projection,
         bos_token_id=0, eos_token_id=1, pad_token_id=1,
     )  # fmt: skip
 

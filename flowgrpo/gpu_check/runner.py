@@ -1,0 +1,85 @@
+"""Command line of the GPU check: run every check, keep going past a failed one, write the report."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from pipelines.speed import SpeedConfig
+
+from . import models
+from .device import describe, free
+from .image import flux_check, sd35_check
+from .report import Report, Section, write
+from .text import text_check
+
+CHECKS = ("sd35", "flux", "text", "vllm")
+DEFAULT_OUT = Path(__file__).resolve().parents[2] / "docs" / "gpu_validation.md"
+
+
+def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Validate the GPU path (real-size random models) and write a report.")
+    p.add_argument("--tiny", action="store_true", help="tiny models on CPU (or --device): the same code, in seconds")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="markdown report (JSON written beside it)")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu (tiny only)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="frozen weights (LoRA: fp32)")
+    p.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak, when the device is not in the table")
+    p.add_argument("--skip", nargs="*", default=[], choices=CHECKS, help="checks to leave out")
+    p.add_argument("--no-compile", action="store_true", help="leave out the regional-compile variant of the SD3.5 check")
+    p.add_argument("--attention", default="native", help="diffusers attention backend (native = PyTorch SDPA)")
+    p.add_argument("--decode-batch-size", type=int, default=4, help="VAE decode chunk (images)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 on a shared CPU: no stalled barriers)")
+    return p.parse_args(argv)
+
+
+def _run(sec_fn: Callable[[], Section], title: str, device: str) -> Section:
+    t0 = time.perf_counter()
+    try:
+        sec = sec_fn()
+    except Exception as err:  # one failed check must not lose the others' figures
+        traceback.print_exc()
+        sec = Section(title, error=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+    free(device)  # the check's models are gone once it returns: give their memory back before the next
+    sec.seconds = time.perf_counter() - t0
+    print(f"[gpu_check] {sec.title}: {sec.error or sec.skipped or 'done'} ({sec.seconds:.1f} s)", file=sys.stderr,
+          flush=True)
+    return sec
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights only: nothing is downloaded
+    args = parse(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not args.tiny and not device.startswith("cuda"):
+        print("gpu_check: no CUDA device here; the real-size check needs one (run with --tiny for the CPU smoke "
+              "run of the same code)", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sizes = models.TINY if args.tiny else models.FULL
+    dtype = getattr(torch, args.dtype)
+    speed = SpeedConfig(attention_backend=args.attention, decode_batch_size=args.decode_batch_size)
+    info = describe(device, args.peak_tflops)
+    start = time.perf_counter()
+    sections = []
+    if "sd35" not in args.skip:
+        sections.append(_run(lambda: sd35_check(sizes, info, dtype, speed, not args.no_compile), "SD3.5-Medium", device))
+    if "flux" not in args.skip:
+        sections.append(_run(lambda: flux_check(sizes, info, dtype, speed), "FLUX.1-dev", device))
+    for backend, key in (("transformers", "text"), ("vllm", "vllm")):
+        if key not in args.skip:
+            sections.append(_run(lambda b=backend: text_check(sizes, info, dtype, b), f"text ({backend})", device))
+    command = "python scripts/gpu_check.py" + "".join(f" {shlex.quote(a)}" for a in (argv or sys.argv[1:]))
+    report = Report(command=command, mode="tiny" if args.tiny else "full", info=info, sections=sections,
+                    total_seconds=time.perf_counter() - start)
+    json_path = write(report, args.out)
+    print(f"[gpu_check] wrote {args.out} and {json_path} in {report.total_seconds:.0f} s", file=sys.stderr)
+    return 1 if any(s.error for s in sections) else 0

@@ -1,0 +1,71 @@
+"""`scripts/gpu_check.py --tiny` runs every check end to end on CPU and writes a report whose figures are
+real numbers; it never touches docs/gpu_validation.md when told to write elsewhere."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs" / "gpu_validation.md"
+NOT_ON_CPU = {"peak memory GiB", "peak memory GiB (train step)", "1-edge peak memory GiB, checkpointed",
+              "1-edge peak memory GiB, not checkpointed"}  # no allocator statistics on CPU
+
+
+def test_tiny_gpu_check_end_to_end(tmp_path):
+    before = DOCS.read_bytes() if DOCS.exists() else None
+    out = tmp_path / "report.md"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--tiny", "--device", "cpu",
+                           "--out", str(out), "--peak-tflops", "1.0", "--threads", "1"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert (DOCS.read_bytes() if DOCS.exists() else None) == before  # the committed report is left alone
+
+    assert report["mode"] == "tiny" and report["info"]["peak_tflops"] == 1.0
+    assert report["info"]["versions"]["torch"] and report["info"]["date"]
+    assert len(report["sections"]) == 4  # SD3.5, FLUX, text with transformers, text with vLLM (or its skip)
+    ran = [s for s in report["sections"] if not s["skipped"]]
+    assert len(ran) >= 3 and not any(s["error"] for s in ran)
+    for sec in ran:
+        assert sec["figures"], sec["title"]
+        for name, value in sec["figures"].items():
+            if name in NOT_ON_CPU:
+                assert value is None
+                continue
+            assert isinstance(value, float) and math.isfinite(value), (sec["title"], name, value)
+            if name.startswith("ratio |r - 1|"):
+                assert value <= 1e-4, (sec["title"], name, value)  # on-policy ratio 1 in bf16
+    sd35 = next(s for s in ran if "SD3.5" in s["title"])["figures"]
+    for key in ("diffusers pipeline images/s", "ours images/s", "ours / diffusers images/s (ratio)",
+                "MFU rollout ours", "MFU train step", "compiled / eager images/s (ratio)"):
+        assert sd35[key] > 0, key
+    assert sd35["rollout TFLOP (counted, ours)"] > 0 and sd35["decoded images finite (1 = yes)"] == 1.0
+    vllm = next(s for s in report["sections"] if s["title"].endswith("vllm"))
+    assert vllm["skipped"] or not vllm["error"]
+    text = out.read_text()
+    assert "ratio \\|r - 1\\| max" in text  # table cells escape the bar
+    assert "ours / diffusers images/s" in text and "FlopCounterMode" in text and "Tiny mode" in text
+
+
+def test_real_size_models_fit_together_on_the_meta_device():
+    """The real-size builders (published configs, stand-in encoders) give the transformer the inputs it
+    expects at 512 px: one forward each on the meta device (no memory, no GPU)."""
+    import torch
+
+    from flowgrpo.gpu_check import models
+
+    for build, n_text, params, cfg_mode in ((models.sd35_medium, 333, 2.2, "full"),
+                                            (models.flux_dev, 512, 11.9, "none")):
+        adapter = build(models.FULL, "meta", torch.bfloat16)
+        assert abs(sum(p.numel() for p in adapter.denoiser.parameters()) / 1e9 - params) < 0.1
+        adapter.add_lora(rank=32)
+        embeds = adapter.encode_prompts(["a cat"])
+        assert embeds.cond.shape[1] == n_text  # CLIP 77 + T5 256 (SD3.5), T5 512 (FLUX-dev)
+        x = torch.randn(1, *adapter.latent_shape(512, 512), device="meta")
+        with torch.no_grad():
+            out = adapter.model_output(x, torch.tensor([0.5], device="meta"), embeds, 4.5, cfg_mode)
+        assert out.shape == x.shape and out.dtype == torch.float32
