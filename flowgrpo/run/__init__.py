@@ -9,7 +9,7 @@ config       OptimConfig, CheckpointConfig, RatioCheckConfig, EMAConfig
 """
 
 from .config import CheckpointConfig, EMAConfig, OptimConfig, RatioCheckConfig
-from .ema import ScheduledEMA, build_ema, ema_decays
+from .ema import ScheduledEMA, build_ema, flow_grpo_decay
 from .loop import CheckpointParts, RunLoop
 from .optim import OptimizerStep, build_optimizer, lr_factor
 from .prompts import PromptOrderError, PromptSampler
@@ -18,5 +18,5 @@ from .ratio_check import FirstPassCheck, OnPolicyRatioWarning
 __all__ = [
     "CheckpointConfig", "CheckpointParts", "EMAConfig", "FirstPassCheck", "OnPolicyRatioWarning", "OptimConfig",
     "OptimizerStep", "PromptOrderError", "PromptSampler", "RatioCheckConfig", "RunLoop", "ScheduledEMA", "build_ema",
-    "build_optimizer", "ema_decays", "lr_factor",
+    "build_optimizer", "flow_grpo_decay", "lr_factor",
 ]  # fmt: skip

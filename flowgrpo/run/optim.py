@@ -72,6 +72,8 @@ class OptimizerStep:
         self.norms = []
 
     def __call__(self) -> float:
+        if self.ema is not None:
+            self.ema.before_step(self.params)
         self.dist.all_reduce_grads(self.params)
         norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_norm))
         self.norms.append(norm)
@@ -79,7 +81,7 @@ class OptimizerStep:
         self.optimizer.zero_grad(set_to_none=True)
         self.total += 1
         if self.ema is not None:
-            self.ema.after_step(self.total, self.params)
+            self.ema.after_step(self.params)
         return norm
 
     def metrics(self) -> dict[str, float]:

@@ -101,6 +101,7 @@ class T2ITrainer(RunLoop):
         if self.ema is not None:
             parts.tensors["ema"] = self._named(self.ema.model.shadow_params)
             parts.state["ema_optimization_step"] = self.ema.model.optimization_step
+            parts.state["ema_clock"] = self.ema.clock
         self.method.checkpoint_parts(parts)
         return parts
 
@@ -111,6 +112,7 @@ class T2ITrainer(RunLoop):
                 for p, name in zip(self.ema.model.shadow_params, self.param_names):
                     p.copy_(ckpt.tensors["ema"][name])
             self.ema.model.optimization_step = ckpt.state["ema_optimization_step"]
+            self.ema.clock = ckpt.state.get("ema_clock", ckpt.state["optimizer_steps"])
         self.method.restore(ckpt)
         self.prompt_sampler.load_state_dict(ckpt.state["prompts"])
         self.optimizer_step.total = ckpt.state["optimizer_steps"]
