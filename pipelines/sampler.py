@@ -187,7 +187,7 @@ class Sampler:
         roots = group_size // leaves
         block = 1  # roots per initial noise
         if cfg.share_noise:
-            block = cfg.share_noise_size or roots
+            block = min(cfg.share_noise_size or roots, roots)  # fewer roots than a block (eval): one noise
             if roots % block:
                 raise ValueError(f"share_noise_size {block} must divide the {roots} roots per prompt (group_size "
                                  f"{group_size} / {leaves} final states per root)")

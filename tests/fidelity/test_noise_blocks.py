@@ -75,6 +75,12 @@ def test_default_is_one_noise_per_group_and_blocks_change_it():
     assert _blocks(_run("full_sde", {}, 4).states[:8]) == [1] * 8  # share_noise off: a noise per image
 
 
+def test_fewer_roots_than_a_block_share_one_noise():
+    """Evaluation samples one image per prompt with the same sampler settings."""
+    tree = _run("ode_only", {}, 1, share_noise=True, share_noise_size=8)
+    assert tree.leaves.shape == (len(PROMPTS), 1)
+
+
 def test_bad_block_sizes_are_rejected():
     with pytest.raises(ValueError, match="needs share_noise"):
         SamplerConfig(share_noise_size=8)

@@ -185,7 +185,8 @@ PINS: dict[str, dict[str, Any]] = {
                    "edges.per_sample_fraction": 0.6, "edges.exclude_last": True,
                    "train.mini_batches": 3, "loss.bounds.eps": 1e-4},
     "mixgrpo": {**FLUX, **MIXGRPO, "plan.iters_per_shift": 25},
-    "mixgrpo_flash": {**FLUX, **MIXGRPO, "plan.schedule": "fixed", "plan.start": 0, "plan.post_solver": "dpm2m"},
+    "mixgrpo_flash": {**FLUX, **MIXGRPO, "plan.schedule": "fixed", "plan.start": 0, "plan.post_solver": "dpm2m",
+                      "plan.post_compress": 0.2},  # dpm_post_compress_ratio
     "branchgrpo": {**FLUX, **HPS21, **TREE, "train.mini_batches": 37,
                    "loss.aggregation.name": "token_mean", "loss.aggregation.scale": 1 / 218},  # / (12 x 218)
     "branchgrpo_mix": {**FLUX, **HPS21, **TREE, "plan.mix_window": 4, "train.mini_batches": 6,
@@ -291,7 +292,9 @@ def test_mixgrpo_window_over_the_published_300_iterations():
     for it in (0, 20, 299):
         flash = _plan("mixgrpo_flash", it)
         assert flash.trained_steps == [0, 1, 2, 3]
-        assert [s.solver for s in flash.steps[4:]] == ["dpm2m"] * 21 and flash.steps[3].solver == "euler"
+        # the tail after the window rebuilt with max(int((25 - 1 - 3) * 0.2), 1) = 4 points: 3 DPM steps
+        assert [s.solver for s in flash.steps[4:]] == ["dpm2m"] * 3 and flash.steps[3].solver == "euler"
+        assert flash.num_steps == 7 and flash.grid_steps == 25
 
 
 def test_branchgrpo_trees():
