@@ -41,10 +41,13 @@ PUBLISHED_FLUX = ["sampler.schedule={name: time_shift, shift: 3.0, integer_times
 
 # Flow-GRPO's EMA: warm-up decay counted in optimizer steps, two updates per step (restored from the step count)
 PUBLISHED_EMA = ["ema={decay: 0.9, update_every: 2, schedule: flow_grpo, updates_per_step: 2}"]
-VARIANTS = {"published": PUBLISHED_FLUX, "ema": PUBLISHED_EMA}
+# Adv-GRPO's: discriminator iterations advance the EMA's clock (saved in the checkpoint)
+ADV_EMA = ["ema={decay: 0.9, update_every: 2, schedule: flow_grpo, updates_per_step: 2, count_idle_iterations: true}"]
+VARIANTS = {"published": PUBLISHED_FLUX, "ema": PUBLISHED_EMA, "ema_idle": ADV_EMA}
 
 
-@pytest.mark.parametrize("recipe", ["flow_grpo", "diffusion_nft", "branchgrpo", "dance_grpo+published", "flow_grpo+ema"])
+@pytest.mark.parametrize("recipe", ["flow_grpo", "diffusion_nft", "branchgrpo", "dance_grpo+published", "flow_grpo+ema",
+                                    "adv_grpo+ema_idle"])
 def test_stop_and_resume_in_new_trainer_is_bit_identical(recipe_config, recipe):
     recipe, _, variant = recipe.partition("+")
     extra = COMMON if recipe != "diffusion_nft" else [c for c in COMMON if not c.startswith("loss.kl")] + ["nft.kl_coef=0.001"]
