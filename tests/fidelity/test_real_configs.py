@@ -62,7 +62,8 @@ SD35M = {
     "eval.num_steps": 40,
     "data.path": "prompts/pickscore_train.txt",
 }
-PICKSCORE = {"rewards.0.name": "pickscore", "rewards.0.dtype": "float32", "rewards.0.weight": 1.0}
+# flow_grpo/pickscore_scorer.py: scores / 26 (also in TempFlow-GRPO and TP-GRPO)
+PICKSCORE = {"rewards.0.name": "pickscore", "rewards.0.dtype": "float32", "rewards.0.weight": 1 / 26}
 GLOBAL_STD = {"advantage.estimator.name": "grpo", "advantage.estimator.std_scope": "batch",
               "advantage.estimator.unbiased": False, "advantage.estimator.eps": 1e-4}
 
