@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from ..core.config import StrictModel
 
@@ -53,3 +53,11 @@ class EMAConfig(StrictModel):
     # Iterations without a policy update advance the EMA's step count (Adv-GRPO's global_step += 1 on every
     # discriminator epoch)
     count_idle_iterations: bool = False
+
+    @model_validator(mode="after")
+    def _schedule_settings(self) -> "EMAConfig":
+        if self.schedule == "constant" and (self.updates_per_step != 1 or self.count_idle_iterations):
+            raise ValueError(
+                "ema: updates_per_step and count_idle_iterations replay Flow-GRPO's EMA calls; set schedule: flow_grpo"
+            )
+        return self
