@@ -36,6 +36,10 @@ class SamplerConfig(StrictModel):
     height: int = 32
     width: int = 32
     share_noise: bool = False                    # same initial noise for every root of a prompt
+    # With share_noise: the roots of a prompt share one noise in blocks of this many (None = all of them). The
+    # Flow-GRPO-Fast pipeline draws one noise per call and repeats it to a mini-group (mini_num_image_per_prompt);
+    # a group is num_image_per_prompt // mini of those calls, each with its own noise.
+    share_noise_size: Optional[int] = Field(None, ge=1)
     keep_means: bool = False                     # store the rollout mean of each edge (GRPO-Guard)
     # What the images are decoded from: "final" = the last state; "last_x0" = the last step's clean
     # estimate x_{T-1} - sigma_{T-1} v, without that step's noise (DanceGRPO, Pref-GRPO, BranchGRPO,
@@ -49,6 +53,8 @@ class SamplerConfig(StrictModel):
     def model_post_init(self, __context: Any) -> None:
         self.sde_kernel.check(KERNELS)
         self.schedule.check(SIGMA_GRIDS)
+        if self.share_noise_size is not None and not self.share_noise:
+            raise ValueError("sampler: share_noise_size sets the blocks that share a noise; it needs share_noise: true")
         if self.schedule.name != "scheduler" and self.shift is not None:
             raise ValueError(f"sampler: shift applies to the 'scheduler' grid; schedule '{self.schedule.name}' "
                              "sets its own (e.g. schedule: {name: time_shift, shift: 3.0})")
@@ -192,12 +198,18 @@ class Sampler:
             raise ValueError(f"plan '{plan.name}' gives {leaves} final states per root; group_size {group_size} "
                              f"must be a multiple of it")
         roots = group_size // leaves
-        if plan.shared_prefix and cfg.share_noise and roots > 1:
+        block = 1  # roots per initial noise
+        if cfg.share_noise:
+            block = min(cfg.share_noise_size or roots, roots)  # fewer roots than a block (eval): one noise
+            if roots % block:
+                raise ValueError(f"share_noise_size {block} must divide the {roots} roots per prompt (group_size "
+                                 f"{group_size} / {leaves} final states per root)")
+        if plan.shared_prefix and block > 1:
             first = plan.first_stochastic_step
             if first is not None and plan.steps[first].sde:  # a shared prefix is a tree split at the first SDE step
                 steps = list(plan.steps)
-                steps[first] = replace(steps[first], branch=steps[first].branch * roots)
-                plan, roots = replace(plan, steps=tuple(steps)), 1
+                steps[first] = replace(steps[first], branch=steps[first].branch * block)
+                plan, roots, block = replace(plan, steps=tuple(steps)), roots // block, 1
         before = self.counters.as_dict()
         with torch.inference_mode(False):  # the schedule is stored on the tree and used with grad later
             schedule = self.schedule(adapter, plan)
@@ -206,7 +218,7 @@ class Sampler:
         shape = adapter.latent_shape(cfg.height, cfg.width)
         P = len(prompts)
         draw = lambda n: torch.randn((n, *shape), generator=generator).to(device)  # noqa: E731
-        x = draw(P).repeat_interleave(roots, 0) if cfg.share_noise else draw(P * roots)
+        x = draw(P * roots // block).repeat_interleave(block, 0)
         frontier_prompt = torch.arange(P).repeat_interleave(roots)
         nodes = _Nodes()
         frontier = nodes.add(torch.full((x.shape[0],), -1, dtype=torch.long), 0, frontier_prompt, x,

@@ -357,9 +357,15 @@ def _masked_sum(x: Tensor, mask: Tensor) -> Tensor:
 
 
 @AGGREGATIONS.register("token_mean")
-def token_mean(values: Tensor, ctx: LossContext) -> Tensor:
-    """Sum over actions / the global action count (DAPO; invariant to micro-batching)."""
-    return _masked_sum(values, ctx.inputs.mask) / max(ctx.norm.num_tokens, 1.0)
+def token_mean(values: Tensor, ctx: LossContext, *, scale: float = 1.0) -> Tensor:
+    """Sum over actions / the global action count (DAPO; invariant to micro-batching), times `scale`.
+
+    `scale` is a constant factor on the loss, seen only through the grad-norm clip and AdamW's eps: BranchGRPO
+    divides each edge's loss by (gradient_accumulation_steps x edges per tree), i.e. the mean x 1 / 218.
+    """
+    if scale <= 0:
+        raise ValueError(f"token_mean: scale must be > 0, got {scale}")
+    return _masked_sum(values, ctx.inputs.mask) / max(ctx.norm.num_tokens, 1.0) * scale
 
 
 @AGGREGATIONS.register("local_token_mean")

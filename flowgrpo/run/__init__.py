@@ -2,12 +2,14 @@
 
 loop         RunLoop: process setup, checkpoints and resume, metrics.jsonl, progress, evaluation hooks
 optim        AdamW + LR schedule; OptimizerStep (all-reduce, clip, step, EMA)
+ema          ScheduledEMA: the EMA of the trained weights on its configured schedule
 ratio_check  FirstPassCheck and OnPolicyRatioWarning
 prompts      PromptSampler (seeded epochs, resumable)
 config       OptimConfig, CheckpointConfig, RatioCheckConfig, EMAConfig
 """
 
 from .config import CheckpointConfig, EMAConfig, OptimConfig, RatioCheckConfig
+from .ema import ScheduledEMA, build_ema, flow_grpo_decay
 from .loop import CheckpointParts, RunLoop
 from .optim import OptimizerStep, build_optimizer, lr_factor
 from .prompts import PromptOrderError, PromptSampler
@@ -15,6 +17,6 @@ from .ratio_check import FirstPassCheck, OnPolicyRatioWarning
 
 __all__ = [
     "CheckpointConfig", "CheckpointParts", "EMAConfig", "FirstPassCheck", "OnPolicyRatioWarning", "OptimConfig",
-    "OptimizerStep", "PromptOrderError", "PromptSampler", "RatioCheckConfig", "RunLoop", "build_optimizer",
-    "lr_factor",
+    "OptimizerStep", "PromptOrderError", "PromptSampler", "RatioCheckConfig", "RunLoop", "ScheduledEMA", "build_ema",
+    "build_optimizer", "flow_grpo_decay", "lr_factor",
 ]  # fmt: skip

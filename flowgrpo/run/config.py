@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from ..core.config import StrictModel
 
@@ -35,6 +35,29 @@ class CheckpointConfig(StrictModel):
 
 
 class EMAConfig(StrictModel):
+    """The EMA of the trained weights (used for evaluation and the saved `lora_ema/`).
+
+    schedule "constant": after optimizer steps k = update_every, 2 update_every, ... one update at `decay`
+    (diffusers' EMAModel: its first update copies the weights). "flow_grpo": Flow-GRPO's EMAModuleWrapper (also
+    in TempFlow-GRPO, TP-GRPO, Adv-GRPO, DiffusionNFT), called with the trainer's global step g after every
+    training batch: an update when (g + 1) % update_every == 0, at decay min((1 + g) / (10 + g), decay).
+    """
+
     enabled: bool = True
     decay: float = Field(0.9, ge=0, le=1)
     update_every: int = Field(1, ge=1)  # optimizer steps between EMA updates
+    schedule: Literal["constant", "flow_grpo"] = "constant"
+    # "flow_grpo": EMA calls per optimizer step, one per training batch it accumulates (Flow-GRPO's
+    # gradient_accumulation_steps; 1 where the trainer calls it only after the step, as DiffusionNFT does)
+    updates_per_step: int = Field(1, ge=1)
+    # Iterations without a policy update advance the EMA's step count (Adv-GRPO's global_step += 1 on every
+    # discriminator epoch)
+    count_idle_iterations: bool = False
+
+    @model_validator(mode="after")
+    def _schedule_settings(self) -> "EMAConfig":
+        if self.schedule == "constant" and (self.updates_per_step != 1 or self.count_idle_iterations):
+            raise ValueError(
+                "ema: updates_per_step and count_idle_iterations replay Flow-GRPO's EMA calls; set schedule: flow_grpo"
+            )
+        return self

@@ -7,12 +7,13 @@ gradients, EMA. A guard on the gradients (non-finite, ...) belongs in `Optimizer
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
 from ..distributed import Distributed
 from .config import OptimConfig
+from .ema import ScheduledEMA
 
 
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
@@ -58,12 +59,11 @@ class OptimizerStep:
         optimizer: torch.optim.Optimizer,
         max_grad_norm: Optional[float],
         dist: Distributed,
-        ema: Any = None,
-        ema_every: int = 1,
+        ema: Optional[ScheduledEMA] = None,
     ) -> None:
         self.params, self.optimizer, self.dist = params, optimizer, dist
         self.max_norm = max_grad_norm if max_grad_norm is not None else math.inf
-        self.ema, self.ema_every = ema, ema_every
+        self.ema = ema
         self.total = 0  # optimizer steps over the run (saved in checkpoints)
         self.norms: list[float] = []  # grad norms of the current training step
 
@@ -72,14 +72,16 @@ class OptimizerStep:
         self.norms = []
 
     def __call__(self) -> float:
+        if self.ema is not None:
+            self.ema.before_step(self.params)
         self.dist.all_reduce_grads(self.params)
         norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_norm))
         self.norms.append(norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.total += 1
-        if self.ema is not None and self.total % self.ema_every == 0:
-            self.ema.step(self.params)
+        if self.ema is not None:
+            self.ema.after_step(self.params)
         return norm
 
     def metrics(self) -> dict[str, float]:

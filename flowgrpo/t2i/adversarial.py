@@ -169,6 +169,8 @@ class AdversarialAlternation(Method):
         if self.discriminator.trains_at(t.step):
             record.update(self.discriminator.update(rollout.images, rollout.batch_prompts, t.cfg.group_size))
             record["adversarial/policy_update"] = 0
+            if t.ema is not None:
+                t.ema.idle_iteration()
             record.update(assign_credit(rollout.global_tree, rollout.leaf_values, rollout.probe_values,
                                         rollout.preferences, t.cfg, t.step).metrics)
         else:

@@ -233,6 +233,12 @@ class T2IConfig(StrictModel):
                 raise ValueError(f"method 'nft' trains on clean samples only; plan '{plan}' has no meaning for it")
             if self.sampler.cfg_mode != "none":
                 raise ValueError("method 'nft' is CFG-free: set sampler.cfg_mode none")
+        size = self.sampler.share_noise_size
+        if size is not None and plan in ("full_sde", "window", "ode_only") and self.group_size % size:
+            raise ValueError(f"sampler.share_noise_size {size} must divide group_size {self.group_size} "
+                             "(a group is whole blocks that share a noise)")
+        if self.ema.count_idle_iterations and not self.adversarial.enabled:
+            raise ValueError("ema.count_idle_iterations counts discriminator iterations: it needs adversarial.enabled")
         if self.adversarial.enabled and self.adversarial.reward not in labels:
             raise ValueError(f"adversarial.reward '{self.adversarial.reward}' is not among rewards {labels}")
         return self

@@ -25,7 +25,7 @@ import torch
 from ..checkpoint import Checkpoint, load_into
 from ..config import ConfigError
 from ..core.advantages import ESTIMATORS
-from ..run import CheckpointParts, OptimizerStep, PromptSampler, RunLoop, build_optimizer
+from ..run import CheckpointParts, OptimizerStep, PromptSampler, RunLoop, build_ema, build_optimizer
 from . import adversarial, grpo, nft  # noqa: F401  (register the methods)
 from . import artifacts
 from .config import T2IConfig
@@ -73,14 +73,8 @@ class T2ITrainer(RunLoop):
         self.sampler = Sampler(cfg.sampler.model_copy(update={"keep_means": cfg.loss.ratio.name == "ratio_norm"}))
         self.reference = reference_context(self.adapter, cfg.model, method_class(cfg.method).needs_reference(cfg))
         self.optimizer, self.scheduler = build_optimizer(self.params, cfg.optim, cfg.iterations, fused=False)
-        self.ema = None
-        if cfg.ema.enabled:
-            from diffusers.training_utils import EMAModel
-
-            self.ema = EMAModel(self.params, decay=cfg.ema.decay, min_decay=cfg.ema.decay)
-        self.optimizer_step = OptimizerStep(
-            self.params, self.optimizer, cfg.optim.max_grad_norm, self.dist, self.ema, cfg.ema.update_every
-        )
+        self.ema = build_ema(self.params, cfg.ema)
+        self.optimizer_step = OptimizerStep(self.params, self.optimizer, cfg.optim.max_grad_norm, self.dist, self.ema)
         self.method = build_method(self)
         self.prompt_sampler = PromptSampler(len(self.prompts), cfg.seed, cfg.data.shuffle)
         self.trackers: artifacts.Trackers | None = None  # rank 0 opens them with its first record
@@ -105,8 +99,9 @@ class T2ITrainer(RunLoop):
                                 state={"prompts": self.prompt_sampler.state_dict(),
                                        "optimizer_steps": self.optimizer_step.total})  # fmt: skip
         if self.ema is not None:
-            parts.tensors["ema"] = self._named(self.ema.shadow_params)
-            parts.state["ema_optimization_step"] = self.ema.optimization_step
+            parts.tensors["ema"] = self._named(self.ema.model.shadow_params)
+            parts.state["ema_optimization_step"] = self.ema.model.optimization_step
+            parts.state["ema_clock"] = self.ema.clock
         self.method.checkpoint_parts(parts)
         return parts
 
@@ -114,9 +109,10 @@ class T2ITrainer(RunLoop):
         load_into(self.adapter.denoiser, ckpt.tensors["policy"])
         if self.ema is not None:
             with torch.no_grad():
-                for p, name in zip(self.ema.shadow_params, self.param_names):
+                for p, name in zip(self.ema.model.shadow_params, self.param_names):
                     p.copy_(ckpt.tensors["ema"][name])
-            self.ema.optimization_step = ckpt.state["ema_optimization_step"]
+            self.ema.model.optimization_step = ckpt.state["ema_optimization_step"]
+            self.ema.clock = ckpt.state.get("ema_clock", ckpt.state["optimizer_steps"])
         self.method.restore(ckpt)
         self.prompt_sampler.load_state_dict(ckpt.state["prompts"])
         self.optimizer_step.total = ckpt.state["optimizer_steps"]
@@ -292,12 +288,12 @@ class T2ITrainer(RunLoop):
 
         @contextlib.contextmanager
         def swapped() -> Any:
-            self.ema.store(self.params)
-            self.ema.copy_to(self.params)
+            self.ema.model.store(self.params)
+            self.ema.model.copy_to(self.params)
             try:
                 yield
             finally:
-                self.ema.restore(self.params)
+                self.ema.model.restore(self.params)
 
         return swapped()
 

@@ -56,10 +56,14 @@ SD35M = {
     "ema.enabled": True,
     "ema.decay": 0.9,
     "ema.update_every": 8,
+    "ema.schedule": "flow_grpo",             # EMAModuleWrapper: decay min((1 + g) / (10 + g), 0.9), (g + 1) % 8
+    "ema.updates_per_step": 2,               # ema.step after each of the 2 batches of an optimizer step
+    "ema.count_idle_iterations": False,
     "eval.num_steps": 40,
     "data.path": "prompts/pickscore_train.txt",
 }
-PICKSCORE = {"rewards.0.name": "pickscore", "rewards.0.dtype": "float32", "rewards.0.weight": 1.0}
+# flow_grpo/pickscore_scorer.py: scores / 26 (also in TempFlow-GRPO and TP-GRPO)
+PICKSCORE = {"rewards.0.name": "pickscore", "rewards.0.dtype": "float32", "rewards.0.weight": 1 / 26}
 GLOBAL_STD = {"advantage.estimator.name": "grpo", "advantage.estimator.std_scope": "batch",
               "advantage.estimator.unbiased": False, "advantage.estimator.eps": 1e-4}
 
@@ -136,13 +140,15 @@ PINS: dict[str, dict[str, Any]] = {
                   "loss.bounds.eps": 1e-4, "loss.kl.estimator": "flow_grpo", "loss.kl.coef": 0.01,
                   "edges.drop_zero_advantage": True},
     "flow_grpo_fast": {**SD35M, **PICKSCORE, **GLOBAL_STD, "sampler.sde_kernel.a": 0.8, "sampler.share_noise": True,
+                       "sampler.share_noise_size": 9, "group_size": 18, "prompts_per_iteration": 64,  # 24 // 9 calls of 9
                        "plan.name": "window", "plan.size": 2, "plan.schedule": "random", "plan.range_end": 7,
                        "loss.bounds.eps": 1e-5, "loss.kl.coef": 0.0},
     "grpo_guard": {**SD35M, **PICKSCORE, **GLOBAL_STD, "plan.name": "full_sde", "plan.train_fraction": 0.99,
                    "loss.ratio.name": "ratio_norm", "loss.step_weighting.name": "inv_dt",
                    "loss.bounds.eps": 1e-4,          # GUESS (Pref-GRPO's RatioNorm clip)
                    "loss.kl.estimator": "flow_grpo", "loss.kl.coef": 0.01},  # GUESS (Flow-GRPO PickScore beta)
-    "tempflow_grpo": {**SD35M, **PICKSCORE, "iterations": 1000, "plan.name": "branch_points", "plan.k": 6, "plan.fraction": 0.99,
+    "tempflow_grpo": {**SD35M, **PICKSCORE, "iterations": 998,  # 1000 epochs, the first 2 empty
+                      "plan.name": "branch_points", "plan.k": 6, "plan.fraction": 0.99,
                       "group_size": 4, "prompts_per_iteration": 8,
                       "advantage.estimator.name": "sibling", "advantage.estimator.eps": 1e-4,
                       "advantage.estimator.unbiased": False, "loss.step_weighting.name": "noise_aware",
@@ -160,7 +166,9 @@ PINS: dict[str, dict[str, Any]] = {
              "advantage.estimator.absolute_steps": 5,
              "loss.kl.estimator": "flow_grpo", "loss.kl.coef": 0.01},           # GUESS
     "adv_grpo": {**SD35M, **GLOBAL_STD, "model.dtype": "bfloat16", "sampler.sde_kernel.a": 0.8,
-                 "sampler.share_noise": True, "group_size": 16, "prompts_per_iteration": 48,
+                 "sampler.share_noise": True, "sampler.share_noise_size": 8, "group_size": 16,
+                 "prompts_per_iteration": 48, "iterations": 910,  # while global_step < 1000 (+1 per D epoch)
+                 "ema.updates_per_step": 6, "ema.count_idle_iterations": True,
                  "plan.name": "window", "plan.size": 2, "plan.schedule": "fixed", "plan.start": 0,
                  "rewards.0.name": "dino_discriminator", "rewards.0.model": "facebook/dinov2-base",
                  "rewards.1.name": "pickscore", "rewards.1.weight": 0.0,
@@ -169,7 +177,8 @@ PINS: dict[str, dict[str, Any]] = {
     "diffusion_nft": {**SD35M, **PICKSCORE, **GLOBAL_STD, "method": "nft", "sampler.cfg_mode": "none",
                       "sampler.guidance_scale": 1.0, "plan.name": "ode_only", "plan.solver": "dpm2m",
                       "train.mini_batches": 1, "nft.beta": 1.0, "nft.adv_max": 5.0, "nft.timestep_fraction": 0.99,
-                      "nft.decay": "linear", "nft.kl_coef": 1e-4, "ema.update_every": 1},
+                      "nft.decay": "linear", "nft.kl_coef": 1e-4, "ema.update_every": 1,
+                      "ema.updates_per_step": 1},  # ema.step only at the optimizer step
     "dance_grpo": {**FLUX, **HPS21, **GROUP_UNBIASED, "sampler.num_steps": 16,
                    "sampler.sde_kernel.name": "dance_sde", "sampler.sde_kernel.eta": 0.3,
                    "sampler.decode": "last_x0", "group_size": 12, "prompts_per_iteration": 16,
@@ -177,9 +186,12 @@ PINS: dict[str, dict[str, Any]] = {
                    "edges.per_sample_fraction": 0.6, "edges.exclude_last": True,
                    "train.mini_batches": 3, "loss.bounds.eps": 1e-4},
     "mixgrpo": {**FLUX, **MIXGRPO, "plan.iters_per_shift": 25},
-    "mixgrpo_flash": {**FLUX, **MIXGRPO, "plan.schedule": "fixed", "plan.start": 0, "plan.post_solver": "dpm2m"},
-    "branchgrpo": {**FLUX, **HPS21, **TREE, "train.mini_batches": 37},
-    "branchgrpo_mix": {**FLUX, **HPS21, **TREE, "plan.mix_window": 4, "train.mini_batches": 6},
+    "mixgrpo_flash": {**FLUX, **MIXGRPO, "plan.schedule": "fixed", "plan.start": 0, "plan.post_solver": "dpm2m",
+                      "plan.post_compress": 0.2},  # dpm_post_compress_ratio
+    "branchgrpo": {**FLUX, **HPS21, **TREE, "train.mini_batches": 37,
+                   "loss.aggregation.name": "token_mean", "loss.aggregation.scale": 1 / 218},  # / (12 x 218)
+    "branchgrpo_mix": {**FLUX, **HPS21, **TREE, "plan.mix_window": 4, "train.mini_batches": 6,
+                       "loss.aggregation.name": "token_mean", "loss.aggregation.scale": 1 / 34},  # / (12 x 34)
     "pref_grpo": {**FLUX, **PREF},
 }
 for _name in ("dance_grpo", "mixgrpo", "mixgrpo_flash", "branchgrpo", "branchgrpo_mix", "pref_grpo"):
@@ -281,7 +293,9 @@ def test_mixgrpo_window_over_the_published_300_iterations():
     for it in (0, 20, 299):
         flash = _plan("mixgrpo_flash", it)
         assert flash.trained_steps == [0, 1, 2, 3]
-        assert [s.solver for s in flash.steps[4:]] == ["dpm2m"] * 21 and flash.steps[3].solver == "euler"
+        # the tail after the window rebuilt with max(int((25 - 1 - 3) * 0.2), 1) = 4 points: 3 DPM steps
+        assert [s.solver for s in flash.steps[4:]] == ["dpm2m"] * 3 and flash.steps[3].solver == "euler"
+        assert flash.num_steps == 7 and flash.grid_steps == 25
 
 
 def test_branchgrpo_trees():

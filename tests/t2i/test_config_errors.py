@@ -29,6 +29,10 @@ def _load(*overrides, recipe="flow_grpo"):
     (["prompts_per_iteration=3", "rollout_prompts=2"], "multiple of rollout_prompts"),
     (["rewards=[{name: brightness}, {name: brightness}]"], "duplicate names"),
     (["adversarial.enabled=true", "adversarial.reference_generator=bright"], "is not among rewards"),
+    (["sampler.share_noise=true", "sampler.share_noise_size=3"], "must divide group_size 8"),
+    (["sampler.share_noise_size=4"], "needs share_noise: true"),
+    (["ema.updates_per_step=2"], "set schedule: flow_grpo"),
+    (["ema={schedule: flow_grpo, count_idle_iterations: true}"], "needs adversarial.enabled"),
 ])
 def test_bad_config_names_the_problem(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -39,12 +39,19 @@ COMMON = ["iterations=5", "checkpoint.every=1", "checkpoint.keep_last=10", "trai
 PUBLISHED_FLUX = ["sampler.schedule={name: time_shift, shift: 3.0, integer_timesteps: true}", "sampler.decode=last_x0",
                   "plan={name: full_sde, train_fraction: 1.0}", "edges.per_sample_fraction=0.6", "edges.exclude_last=true"]
 
+# Flow-GRPO's EMA: warm-up decay counted in optimizer steps, two updates per step (restored from the step count)
+PUBLISHED_EMA = ["ema={decay: 0.9, update_every: 2, schedule: flow_grpo, updates_per_step: 2}"]
+# Adv-GRPO's: discriminator iterations advance the EMA's clock (saved in the checkpoint)
+ADV_EMA = ["ema={decay: 0.9, update_every: 2, schedule: flow_grpo, updates_per_step: 2, count_idle_iterations: true}"]
+VARIANTS = {"published": PUBLISHED_FLUX, "ema": PUBLISHED_EMA, "ema_idle": ADV_EMA}
 
-@pytest.mark.parametrize("recipe", ["flow_grpo", "diffusion_nft", "branchgrpo", "dance_grpo+published"])
+
+@pytest.mark.parametrize("recipe", ["flow_grpo", "diffusion_nft", "branchgrpo", "dance_grpo+published", "flow_grpo+ema",
+                                    "adv_grpo+ema_idle"])
 def test_stop_and_resume_in_new_trainer_is_bit_identical(recipe_config, recipe):
     recipe, _, variant = recipe.partition("+")
     extra = COMMON if recipe != "diffusion_nft" else [c for c in COMMON if not c.startswith("loss.kl")] + ["nft.kl_coef=0.001"]
-    extra = extra + (PUBLISHED_FLUX if variant else [])
+    extra = extra + VARIANTS.get(variant, [])
     full = train_t2i(recipe_config(recipe, *extra, name="uninterrupted"))
     first = train_t2i(recipe_config(recipe, *extra, "stop_after=2", name="interrupted"))
     assert [r["iteration"] for r in first] == [1, 2]
