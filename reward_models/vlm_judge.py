@@ -50,7 +50,7 @@ from PIL import Image
 
 from .base import PairwiseScorer, Scorer
 from .registry import register
-from .remote import BAD_RESPONSE_POLICIES, RETRY_STATUSES, HttpClient, HTTPStatusError, RemoteRewardError
+from .remote import BAD_RESPONSE_POLICIES, RETRY_STATUSES, HttpClient, HTTPStatusError, RemoteRewardError, resolve_token
 
 log = logging.getLogger(__name__)
 
@@ -170,10 +170,10 @@ class JudgeClient:
         if model is None and not health_check:
             raise ValueError("set `model` (the served model name) when health_check is off; the health check "
                              "would otherwise pick the first model the server lists")
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # api_key is the judge server's bearer token (a value, or env:NAME)
         self.http = HttpClient(_base_url(url), timeout_s=timeout_s, max_attempts=max_attempts, backoff_s=backoff_s,
                                max_backoff_s=max_backoff_s, deadline_s=deadline_s, retry_statuses=retry_statuses,
-                               seed=seed, headers=headers, counters=counters, what="VLM judge")
+                               seed=seed, counters=counters, what="VLM judge", token=resolve_token(api_key))
         self.model = model
         self.concurrency = int(concurrency)
         self.max_tokens, self.temperature = int(max_tokens), float(temperature)
