@@ -235,6 +235,7 @@ def save_checkpoint(root: str | Path, step: int, *,
     keep_last:  remove all but the newest `keep_last` checkpoints after a successful save.
     """
     root = Path(root)
+    _refuse_nonfinite(step, tensors, optimizers)  # before anything is written or rotated away
     root.mkdir(parents=True, exist_ok=True)
     target = root / checkpoint_name(step)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=root))
@@ -273,6 +274,19 @@ def save_checkpoint(root: str | Path, step: int, *,
         raise
     _cleanup(root, keep_last)
     return target
+
+
+def _refuse_nonfinite(step: int, tensors: Optional[Mapping[str, Mapping[str, torch.Tensor]]],
+                      optimizers: Optional[Mapping[str, torch.optim.Optimizer]]) -> None:
+    """A NaN / inf weight or optimizer moment is never saved: keep_last would rotate good checkpoints out."""
+    named = [(f"{group}/{name}", t) for group, items in (tensors or {}).items() for name, t in items.items()]
+    named += [(f"optim.{n}/{k}", t) for n, opt in (optimizers or {}).items()
+              for k, t in _optimizer_parts(opt)[0].items()]
+    bad = [name for name, t in named if isinstance(t, torch.Tensor) and t.is_floating_point()
+           and not bool(torch.isfinite(t.detach()).all())]
+    if bad:
+        raise CheckpointError(f"refusing to save step {step}: {len(bad)} tensor(s) hold NaN / inf "
+                              f"({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}); earlier checkpoints kept")
 
 
 def _cleanup(root: Path, keep_last: Optional[int]) -> None:

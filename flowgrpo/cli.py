@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from .config import ConfigError
+    from .guards import NonFiniteError
+    from .checkpoint import CheckpointError
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["evaluate"]:  # its parser lives with it (argparse.REMAINDER drops leading --options)
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ConfigError as err:
+    except (ConfigError, NonFiniteError, CheckpointError) as err:
         print(f"flowgrpo: {err}", file=sys.stderr)
         return 2
 

@@ -12,6 +12,7 @@ from typing import Any, Iterable, Literal, Optional
 from pydantic import Field, model_validator
 
 from ..config import load_config
+from ..guards import GuardConfig
 from ..core import AdvantageConfig, LossConfig, PartSpec, StrictModel
 from ..core.advantages import ESTIMATORS
 from ..text.config import CheckpointConfig, OptimConfig, RatioCheckConfig
@@ -182,6 +183,7 @@ class T2IConfig(StrictModel):
     artifacts: ArtifactsConfig = Field(default_factory=ArtifactsConfig)
     ratio_check: RatioCheckConfig = Field(default_factory=RatioCheckConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    guards: GuardConfig = Field(default_factory=GuardConfig)  # non-finite rewards / gradients (flowgrpo.guards)
     resume: bool = False
     progress: bool = True
     num_threads: Optional[int] = None

@@ -44,6 +44,7 @@ from .config import T2IConfig
 from .credit import assign_credit
 from .data import load_prompt_set
 from ..distributed import Distributed
+from ..guards import NonFiniteGuard
 from .model import active_lora, build_policy, reference_context
 from .nft import nft_loss, old_decay, soft_update
 from .objectives import EdgeObjective, edge_batch
@@ -120,6 +121,7 @@ class T2ITrainer:
             self.discriminator = Discriminator(self.rewards.scorer(cfg.adversarial.reward), cfg.adversarial,
                                                (cfg.sampler.height, cfg.sampler.width), cfg.seed)
         self.prompt_sampler = PromptSampler(len(self.prompts), cfg.seed, cfg.data.shuffle)
+        self.guard = NonFiniteGuard(cfg.guards, "iteration")  # hardening: non-finite rewards / grads / weights
         self.iteration = 0
         self.optimizer_steps = 0
         self.resumed_from: Optional[Path] = None
@@ -243,6 +245,9 @@ class T2ITrainer:
         self.dist.all_reduce_grads(self.params)
         max_norm = self.cfg.optim.max_grad_norm if self.cfg.optim.max_grad_norm is not None else math.inf
         grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.params, max_norm)))
+        if not self.guard.step_ok(record, grad_norms[-1]):  # hardening: never step on a NaN / inf gradient
+            self.optimizer.zero_grad(set_to_none=True)
+            return
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.optimizer_steps += 1
@@ -379,6 +384,7 @@ class T2ITrainer:
         keep_images = self._grid_due() or self.discriminator is not None
         tree, global_tree, leaf_values, probe_values, prefs, images, local_prompts = self._collect(
             record, batch_prompts, plan, keep_images)
+        leaf_values, probe_values = self.guard.rewards(record, leaf_values, probe_values)  # hardening: inf -> NaN
         nodes_per_chunk = tree.num_nodes // len(self.dist.my_chunks(cfg.prompts_per_iteration // cfg.rollout_prompts))
 
         t0 = time.perf_counter()
@@ -475,6 +481,7 @@ class T2ITrainer:
         try:
             while self.iteration < end:
                 record = self.train_iteration()
+                self.guard.end_update(record, self.iteration, self.params)  # hardening: warn / stop, never save NaN
                 every = cfg.eval.every
                 if every and self.iteration % every == 0 and self.iteration < cfg.iterations:
                     record.update(self.evaluate(f"{self.iteration:06d}"))

@@ -14,6 +14,7 @@ from pydantic import Field, model_validator
 
 from ..config import load_config
 from ..core import AdvantageConfig, LossConfig, PartSpec, StrictModel
+from ..guards import GuardConfig
 
 # Merged under every config file, key by key (a file only states what differs).
 DEFAULTS: dict[str, Any] = {
@@ -244,6 +245,7 @@ class TextConfig(StrictModel):
     rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
     ratio_check: TextRatioCheckConfig = Field(default_factory=TextRatioCheckConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    guards: GuardConfig = Field(default_factory=GuardConfig)  # non-finite rewards / gradients (flowgrpo.guards)
     resume: bool = False
     progress: bool = True
     num_threads: Optional[int] = None         # torch CPU threads (fix it for bit-exact comparisons)

@@ -44,6 +44,7 @@ from ..config import ConfigError, dump_config
 from ..core import GroupBatch, LossInputs, LossNormalizer, compute_advantages, policy_loss
 from ..core.stats import masked_std
 from ..distributed import Distributed
+from ..guards import NonFiniteGuard
 from ..metrics import LossMetrics, MetricsWriter, truncate_metrics
 from ..process import prepare_process
 from .config import TextConfig
@@ -95,6 +96,7 @@ class TextGRPOTrainer:
         self.params, self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.steps)
         self.use_kl = cfg.loss.kl.coef != 0
         self.reference = reference_policy(self.model, self.use_kl)
+        self.guard = NonFiniteGuard(cfg.guards, "step")  # hardening: non-finite rewards / grads / weights
         self.step = 0
         self._in_step = False
         self.shared_prompt: Optional[bool] = None if cfg.train.shared_prompt == "auto" else cfg.train.shared_prompt
@@ -338,6 +340,7 @@ class TextGRPOTrainer:
         record: dict[str, Any] = {"step": self.step + 1, "lr": self.optimizer.param_groups[0]["lr"]}
         record.update(self.generator.settings)
         rollout, scores = self._collect(record)
+        scores = scores and replace(scores, values=self.guard.rewards(record, scores.values))  # hardening: inf -> NaN
         if rollout is None:
             log.warning("step %d: dynamic sampling kept no group with reward spread; no update", self.step + 1)
             record["skipped_update"] = 1
@@ -465,7 +468,8 @@ class TextGRPOTrainer:
                 self.dist.all_reduce_grads(self.params)
                 max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm is not None else math.inf
                 grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.params, max_norm)))
-                self.optimizer.step()
+                if self.guard.step_ok(record, grad_norms[-1]):  # hardening: never step on a NaN / inf gradient
+                    self.optimizer.step()
                 counts["count/optimizer_steps"] += 1
                 on_policy = False
         self.generator.sync_weights()
@@ -530,6 +534,7 @@ class TextGRPOTrainer:
         try:
             while self.step < end:
                 record = self.train_step()
+                self.guard.end_update(record, self.step, self.params)  # hardening: warn / stop, never save NaN
                 if ckpt_seconds is not None:  # the save that followed the previous step
                     record["time/checkpoint"], ckpt_seconds = ckpt_seconds, None
                 # the record goes out before the checkpoint: a crash in between leaves a record
