@@ -7,8 +7,13 @@ A checkpoint is a folder `step_00000012/` under a root folder:
     optim.<name>.json             optimizer param groups and non-tensor state
     rng.safetensors               torch CPU (and CUDA) generator states, numpy's key array
     state.json                    step, the caller's JSON state (data position, ...), LR scheduler
-                                  states, python and numpy RNG scalars, format version
+                                  states, python and numpy RNG scalars, format version, and the size
+                                  and sha256 of every other file (`files`)
     config.json                   the resolved run config (optional)
+
+Before a resume trusts a checkpoint, `latest_checkpoint(root, verify=True)` checks those sizes and
+hashes; a damaged checkpoint (truncated by a full disk, altered) is skipped with a warning naming it and
+the previous good one is used. Non-finite tensors are refused at save time.
 
 Saving writes everything into a hidden temporary folder next to the target, fsyncs every file and
 the folder, then renames it into place: a crash mid-save leaves the previous checkpoints intact and
@@ -17,6 +22,7 @@ no half-written `step_*` folder. Only the last `keep_last` checkpoints are kept.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -114,9 +120,12 @@ def _save_tensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
 def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-    tensors = load_file(str(path))
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        tensors = load_file(str(path))
+    except Exception as err:  # SafetensorError, OSError: name the file, not just the library's complaint
+        raise CheckpointError(f"{path}: unreadable ({type(err).__name__}: {err})") from None
     for name, target in json.loads(meta.get("aliases", "{}")).items():
         tensors[name] = tensors[target]
     return tensors
@@ -194,10 +203,55 @@ def list_checkpoints(root: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def latest_checkpoint(root: str | Path) -> Optional[Path]:
-    """The newest complete checkpoint under `root`, or None."""
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _manifest(folder: Path) -> dict[str, dict[str, Any]]:
+    return {f.name: {"bytes": f.stat().st_size, "sha256": _file_digest(f)}
+            for f in sorted(folder.iterdir()) if f.is_file() and f.name != "state.json"}
+
+
+def verify_checkpoint(path: str | Path) -> list[str]:
+    """What is wrong with a checkpoint folder (empty when it matches the sizes and hashes recorded at save).
+    Checkpoints written before hashes were recorded are checked for a readable state.json only."""
+    path = Path(path)
+    try:
+        files = _read_json(path / "state.json").get("files")
+    except (OSError, ValueError) as err:
+        return [f"state.json unreadable ({type(err).__name__})"]
+    problems = []
+    for name, want in (files or {}).items():
+        f = path / name
+        if not f.is_file():
+            problems.append(f"{name} is missing")
+        elif f.stat().st_size != want["bytes"]:
+            problems.append(f"{name} has {f.stat().st_size} bytes, {want['bytes']} were saved")
+        elif _file_digest(f) != want["sha256"]:
+            problems.append(f"{name} differs from what was saved (sha256)")
+    return problems
+
+
+def latest_checkpoint(root: str | Path, verify: bool = False) -> Optional[Path]:
+    """The newest complete checkpoint under `root`, or None. With `verify`, the newest one whose files match
+    what was saved: each damaged one is skipped with a warning naming it; CheckpointError when all are."""
     found = list_checkpoints(root)
-    return found[-1] if found else None
+    if not verify:
+        return found[-1] if found else None
+    damaged = []
+    for path in reversed(found):
+        problems = verify_checkpoint(path)
+        if not problems:
+            return path
+        damaged.append(f"{path.name} ({problems[0]})")
+        warnings.warn(f"checkpoint {path} is damaged: {'; '.join(problems)}; trying the one before it", stacklevel=2)
+    if damaged:
+        raise CheckpointError(f"every checkpoint under {root} is damaged: {', '.join(damaged)}")
+    return None
 
 
 def _umask() -> int:
@@ -251,12 +305,14 @@ def save_checkpoint(root: str | Path, step: int, *,
         _save_tensors(rng_tensors, tmp / "rng.safetensors")
         if config is not None:
             _write_json(tmp / "config.json", dict(config))
+        files = _manifest(tmp)  # what a resume verifies before trusting this checkpoint
         _write_json(tmp / "state.json", {  # written last: a folder without it is never a checkpoint
             "format_version": FORMAT_VERSION,
             "step": int(step),
             "state": dict(state or {}),
             "schedulers": {name: s.state_dict() for name, s in (schedulers or {}).items()},
             "rng": rng_scalars,
+            "files": files,
         })
         for f in tmp.iterdir():
             os.chmod(f, 0o666 & ~_umask())

@@ -150,7 +150,7 @@ class T2ITrainer:
                                config=self.cfg.model_dump(mode="json"), keep_last=self.cfg.checkpoint.keep_last)
 
     def _resume(self) -> None:
-        path = latest_checkpoint(self.ckpt_dir)
+        path = latest_checkpoint(self.ckpt_dir, verify=True)  # hardening: skips (and names) damaged ones
         if path is None:
             log.info("resume: no checkpoint under %s; starting at iteration 0", self.ckpt_dir)
             return

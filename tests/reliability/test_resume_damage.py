@@ -45,3 +45,35 @@ def test_metrics_rewrite_is_atomic(tmp_path, monkeypatch):
     monkeypatch.undo()
     truncate_metrics(metrics, 3, "step")
     assert [r["step"] for r in read_metrics(metrics)] == [1, 2, 3]
+
+
+def _first(folder: Path, pattern: str) -> Path:
+    return sorted(folder.glob(pattern))[0]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_resume_falls_back_past_a_damaged_checkpoint(tmp_path, damage):
+    assert _text(tmp_path, "steps=3").returncode == 0
+    ckpts = tmp_path / "run" / "checkpoints"
+    weights = _first(ckpts / "step_00000003", "tensors.*.safetensors")
+    data = weights.read_bytes()
+    if damage == "truncate":  # a full disk: the file stops half-way
+        weights.write_bytes(data[: len(data) // 2])
+    else:  # same size, one byte changed
+        weights.write_bytes(data[:-10] + bytes([data[-10] ^ 0xFF]) + data[-9:])
+    done = _text(tmp_path, "steps=4", "resume=true")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "step_00000003 is damaged" in done.stderr and weights.name in done.stderr
+    assert "resumed from" in done.stderr and "step_00000002" in done.stderr
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_every_checkpoint_damaged_is_one_line(tmp_path):
+    assert _text(tmp_path, "steps=1").returncode == 0
+    weights = _first(tmp_path / "run" / "checkpoints" / "step_00000001", "tensors.*.safetensors")
+    weights.write_bytes(weights.read_bytes()[:100])
+    done = _text(tmp_path, "steps=2", "resume=true")
+    assert done.returncode == 2
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("flowgrpo: every checkpoint under") and "step_00000001" in last
+    assert "Traceback" not in done.stderr
