@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     from .config import ConfigError
     from .guards import NonFiniteError
     from .checkpoint import CheckpointError
+    from .interrupts import Interrupted
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["evaluate"]:  # its parser lives with it (argparse.REMAINDER drops leading --options)
@@ -117,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, NonFiniteError, CheckpointError) as err:
         print(f"flowgrpo: {err}", file=sys.stderr)
         return 2
+    except Interrupted as err:
+        print(f"flowgrpo: {err}", file=sys.stderr)
+        return err.exit_code
 
 
 if __name__ == "__main__":

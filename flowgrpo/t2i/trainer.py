@@ -45,6 +45,7 @@ from .credit import assign_credit
 from .data import load_prompt_set
 from ..distributed import Distributed
 from ..guards import NonFiniteGuard
+from ..interrupts import StopRequest
 from .model import active_lora, build_policy, reference_context
 from .nft import nft_loss, old_decay, soft_update
 from .objectives import EdgeObjective, edge_batch
@@ -478,6 +479,7 @@ class T2ITrainer:
         bar = tqdm(total=cfg.iterations, initial=self.iteration, desc=f"t2i-{cfg.method}",
                    disable=not (cfg.progress and self.dist.is_main))
         writer = MetricsWriter(metrics_path, append=self.iteration > 0) if self.dist.is_main else None
+        stop = StopRequest.install("iteration")  # hardening: SIGINT / SIGTERM -> finish, save, stop
         try:
             while self.iteration < end:
                 record = self.train_iteration()
@@ -490,14 +492,16 @@ class T2ITrainer:
                     trackers.log(record, self.iteration)
                 history.append(record)
                 ck = cfg.checkpoint.every
-                if (ck and self.iteration % ck == 0) or self.iteration == end:
+                if stop.poll(self.dist) or (ck and self.iteration % ck == 0) or self.iteration == end:
                     if self.dist.is_main:
                         self.save()
                     self.dist.barrier()
                 bar.update(1)
                 bar.set_postfix(reward=f"{record.get('reward_mean', math.nan):.4f}",
                                 kl=f"{record.get('approx_kl', math.nan):.1e}")
+                stop.check(self.iteration)  # hardening: raises Interrupted after the save
         finally:
+            stop.restore()
             bar.close()
             if writer is not None:
                 writer.close()

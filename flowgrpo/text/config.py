@@ -221,7 +221,7 @@ class TextRatioCheckConfig(RatioCheckConfig):
 
 
 class CheckpointConfig(StrictModel):
-    every: int = Field(0, ge=0)               # steps between checkpoints; 0 = only at the end
+    every: int = Field(10, ge=0)              # updates between checkpoints; 0 = at the end (and on SIGINT / SIGTERM)
     keep_last: int = Field(2, ge=1)
     dir: Optional[str] = None                 # default: <output_dir>/checkpoints
     save_final_model: bool = True             # save_pretrained() of the policy (and tokenizer) at the end

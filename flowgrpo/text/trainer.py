@@ -45,6 +45,7 @@ from ..core import GroupBatch, LossInputs, LossNormalizer, compute_advantages, p
 from ..core.stats import masked_std
 from ..distributed import Distributed
 from ..guards import NonFiniteGuard
+from ..interrupts import StopRequest
 from ..metrics import LossMetrics, MetricsWriter, truncate_metrics
 from ..process import prepare_process
 from .config import TextConfig
@@ -531,6 +532,7 @@ class TextGRPOTrainer:
         bar = tqdm(total=cfg.steps, initial=self.step, desc="text-grpo", disable=not (cfg.progress and main))
         saved_at = ckpt_seconds = None
         writer = MetricsWriter(metrics_path, append=self.step > 0) if main else None
+        stop = StopRequest.install("step")  # hardening: SIGINT / SIGTERM -> finish, save, stop
         try:
             while self.step < end:
                 record = self.train_step()
@@ -543,7 +545,7 @@ class TextGRPOTrainer:
                     writer.write(record)
                 history.append(record)
                 every = cfg.checkpoint.every
-                if (every and self.step % every == 0) or self.step == end:
+                if stop.poll(self.dist) or (every and self.step % every == 0) or self.step == end:
                     t0 = time.perf_counter()
                     self.save()
                     saved_at = self.step
@@ -551,12 +553,14 @@ class TextGRPOTrainer:
                 bar.update(1)
                 bar.set_postfix(reward=f"{record.get('reward_mean', math.nan):.3f}",
                                 len=f"{record.get('completions/mean_length', math.nan):.1f}")
+                stop.check(self.step)  # hardening: raises Interrupted after the save
         except KeyboardInterrupt:
             if self.step > 0 and saved_at != self.step and not self._in_step and main:
                 log.warning("interrupted: saving a checkpoint at step %d", self.step)
                 self._save()
             raise
         finally:
+            stop.restore()
             bar.close()
             if writer is not None:
                 writer.close()
