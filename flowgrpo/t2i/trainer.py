@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..checkpoint import latest_checkpoint, load_checkpoint, load_into, save_checkpoint, warn_config_changes
+from ..checkpoint import latest_checkpoint, load_checkpoint, load_into, save_checkpoint, check_resume_config
 from ..config import ConfigError, dump_config
 from ..core import LossNormalizer, compute_advantages
 from ..core.contracts import GroupBatch
@@ -175,7 +175,7 @@ class T2ITrainer:
         self.optimizer_steps = ckpt.state["optimizer_steps"]
         self.iteration = ckpt.step
         self.resumed_from = path
-        warn_config_changes(self.cfg.model_dump(mode="json"), ckpt.config, _RESUME_FREE)
+        check_resume_config(self.cfg.model_dump(mode="json"), ckpt.config, _RESUME_FREE)  # hardening: refuse
         log.info("resumed from %s (iteration %d)", path, self.iteration)
 
     # --- rollout and rewards -----------------------------------------------------------------------

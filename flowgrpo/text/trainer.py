@@ -39,7 +39,7 @@ from typing import Any, Callable, Mapping, Optional
 import numpy as np
 import torch
 
-from ..checkpoint import latest_checkpoint, load_checkpoint, load_into, save_checkpoint, warn_config_changes
+from ..checkpoint import latest_checkpoint, load_checkpoint, load_into, save_checkpoint, check_resume_config
 from ..config import ConfigError, dump_config
 from ..core import GroupBatch, LossInputs, LossNormalizer, compute_advantages, policy_loss
 from ..core.stats import masked_std
@@ -151,7 +151,7 @@ class TextGRPOTrainer:
         self.sampler.load_state_dict(ckpt.state["sampler"])
         self.step = ckpt.step
         self.resumed_from = path
-        warn_config_changes(self.cfg.model_dump(mode="json"), ckpt.config, _RESUME_FREE)
+        check_resume_config(self.cfg.model_dump(mode="json"), ckpt.config, _RESUME_FREE)  # hardening: refuse
         log.info("resumed from %s (step %d)", path, self.step)
         self.generator.sync_weights()
 

@@ -77,3 +77,13 @@ def test_every_checkpoint_damaged_is_one_line(tmp_path):
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("flowgrpo: every checkpoint under") and "step_00000001" in last
     assert "Traceback" not in done.stderr
+
+
+def test_resume_with_a_changed_setting_is_refused_naming_it(tmp_path):
+    assert _text(tmp_path, "steps=1").returncode == 0
+    done = _text(tmp_path, "steps=2", "resume=true", "optim.lr=0.001")
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("flowgrpo: resume: optim.lr: 0.02 in the checkpoint, 0.001 now")
+    assert "Traceback" not in done.stderr
+    assert _text(tmp_path, "steps=2", "resume=true", "progress=true").returncode == 0  # free keys still change
