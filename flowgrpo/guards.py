@@ -42,10 +42,12 @@ class GuardConfig(StrictModel):
 
 
 class NonFiniteGuard:
-    """Counts per update (iteration or step); `unit` names it in messages."""
+    """Counts per update (iteration or step); `unit` names it in messages. `nan_is_missing`: NaN rewards are
+    "not applicable" (the text trainer's None, counted per reward already), so only +-inf is reported; the
+    image trainer's NaN is a failed score and is reported too."""
 
-    def __init__(self, config: GuardConfig, unit: str = "iteration"):
-        self.config, self.unit = config, unit
+    def __init__(self, config: GuardConfig, unit: str = "iteration", nan_is_missing: bool = False):
+        self.config, self.unit, self.nan_is_missing = config, unit, nan_is_missing
         self.streak = 0
         self._reset()
 
@@ -65,7 +67,7 @@ class NonFiniteGuard:
                 continue
             bad = ~torch.isfinite(v)
             self.rewards_seen += v.numel()
-            self.nonfinite_rewards += int(bad.sum())
+            self.nonfinite_rewards += int((torch.isinf(v) if self.nan_is_missing else bad).sum())
             finite_any = finite_any or bool((~bad).any())
             out.append(torch.where(bad, torch.full_like(v, math.nan), v) if v.is_floating_point() else v)
         self.no_finite_reward = self.rewards_seen > 0 and not finite_any
@@ -96,7 +98,8 @@ class NonFiniteGuard:
         if self.no_finite_reward:
             problems.append(f"no finite reward among {self.rewards_seen} (all NaN / None / inf)")
         elif self.nonfinite_rewards:
-            problems.append(f"{self.nonfinite_rewards} of {self.rewards_seen} rewards NaN / inf (left out)")
+            what = "inf" if self.nan_is_missing else "NaN / inf"
+            problems.append(f"{self.nonfinite_rewards} of {self.rewards_seen} rewards {what} (left out)")
         if self.skipped_steps:
             problems.append(f"{self.skipped_steps} optimizer step(s) skipped: non-finite gradients")
         bad = self.no_finite_reward or self.skipped_steps > 0

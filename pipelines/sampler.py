@@ -23,14 +23,14 @@ from .steps import KERNELS, StepOutput, rescore, step
 
 
 class SamplerConfig(StrictModel):
-    num_steps: int = 10
+    num_steps: int = Field(10, ge=1)
     sde_kernel: PartSpec = Field(default_factory=lambda: PartSpec(name="flow_sde"))
     guidance_scale: float = 4.5
     cfg_mode: Literal["full", "none"] = "full"   # sampling; training re-scores with `train_cfg_mode`
     train_cfg_mode: Literal["full", "detach_uncond", "none"] = "detach_uncond"
     shift: Optional[float] = None                # None: the adapter's scheduler config decides
-    height: int = 32
-    width: int = 32
+    height: int = Field(32, ge=8)                # pixels; the adapter checks its own multiple and maximum
+    width: int = Field(32, ge=8)
     share_noise: bool = False                    # same initial noise for every root of a prompt
     keep_means: bool = False                     # store the rollout mean of each edge (GRPO-Guard)
 

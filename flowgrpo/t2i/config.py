@@ -11,7 +11,7 @@ from typing import Any, Iterable, Literal, Optional
 
 from pydantic import Field, model_validator
 
-from ..config import load_config
+from ..config import load_config, output_dir_problem
 from ..guards import GuardConfig
 from ..core import AdvantageConfig, LossConfig, PartSpec, StrictModel
 from ..core.advantages import ESTIMATORS
@@ -194,6 +194,8 @@ class T2IConfig(StrictModel):
         self.plan.check(PLANS)
         if not self.rewards:
             raise ValueError("rewards: at least one scorer is needed")
+        if problem := output_dir_problem(self.output_dir):
+            raise ValueError(problem)
         labels = [r.label for r in self.rewards]
         dup = sorted({x for x in labels if labels.count(x) > 1})
         if dup:

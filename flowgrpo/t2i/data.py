@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from ..config import ConfigError
+from ..config import ConfigError, read_text_file
 
 
 @dataclass
@@ -39,7 +39,7 @@ def load_prompt_set(prompts: Optional[list[str]], path: Optional[str], what: str
         raise ConfigError(f"{what}: prompt file '{path}' does not exist")
     if file.suffix == ".jsonl":
         rows, metas = [], []
-        for n, line in enumerate(file.read_text().splitlines(), 1):
+        for n, line in enumerate(read_text_file(file, what).splitlines(), 1):
             if not line.strip():
                 continue
             try:
@@ -52,7 +52,7 @@ def load_prompt_set(prompts: Optional[list[str]], path: Optional[str], what: str
             metas.append(row)
         out = PromptSet(rows, metas)
     else:
-        out = PromptSet([line.strip() for line in file.read_text().splitlines() if line.strip()])
+        out = PromptSet([line.strip() for line in read_text_file(file, what).splitlines() if line.strip()])
     if not out.prompts:
         raise ConfigError(f"{what}: prompt file '{path}' has no prompts")
     return out

@@ -497,8 +497,8 @@ class T2ITrainer:
                         self.save()
                     self.dist.barrier()
                 bar.update(1)
-                bar.set_postfix(reward=f"{record.get('reward_mean', math.nan):.4f}",
-                                kl=f"{record.get('approx_kl', math.nan):.1e}")
+                bar.set_postfix(reward=f"{record.get('reward_mean', math.nan):.4f}",  # hardening: kl only if measured
+                                **({"kl": f"{record['approx_kl']:.1e}"} if "approx_kl" in record else {}))
                 stop.check(self.iteration)  # hardening: raises Interrupted after the save
         finally:
             stop.restore()

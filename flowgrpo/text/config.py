@@ -12,7 +12,7 @@ from typing import Any, Iterable, Literal, Optional, Union
 
 from pydantic import Field, model_validator
 
-from ..config import load_config
+from ..config import load_config, output_dir_problem
 from ..core import AdvantageConfig, LossConfig, PartSpec, StrictModel
 from ..guards import GuardConfig
 
@@ -104,7 +104,7 @@ class GenerationConfig(StrictModel):
 
     backend: Literal["transformers", "vllm"] = "transformers"
     prompts_per_step: int = Field(2, ge=1)    # P
-    group_size: int = Field(8, ge=1)          # G
+    group_size: int = Field(8, ge=2)          # G (a group of one has no relative advantage: nothing to learn)
     max_new_tokens: int = Field(32, ge=1)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -255,6 +255,8 @@ class TextConfig(StrictModel):
     def _check(self) -> "TextConfig":
         if not self.rewards:
             raise ValueError("rewards: at least one reward function is needed")
+        if problem := output_dir_problem(self.output_dir):
+            raise ValueError(problem)
         labels = [r.label for r in self.rewards]
         dup = sorted({x for x in labels if labels.count(x) > 1})
         if dup:

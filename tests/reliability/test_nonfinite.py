@@ -64,7 +64,7 @@ def test_text_all_none_rewards_warn_and_stop(tmp_path):
 def test_text_inf_rewards_are_left_out_with_counts(tmp_path):
     done = _text(tmp_path, "inf_on_some", "steps=2")
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "rewards NaN / inf (left out)" in done.stderr
+    assert "4 of 16 rewards inf (left out)" in done.stderr
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["guard/nonfinite_rewards"] for r in records] == [4, 4]  # 16 completions, every 4th is inf
     assert all(math.isfinite(r["reward_mean"]) for r in records)
