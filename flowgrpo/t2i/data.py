@@ -36,7 +36,9 @@ def load_prompt_set(prompts: Optional[list[str]], path: Optional[str], what: str
         return None
     file = Path(path)
     if not file.is_file():
-        raise ConfigError(f"{what}: prompt file '{path}' does not exist")
+        hint = ("; the real recipes' prompt sets: python scripts/fetch_prompts.py pickscore (or hpdv2)"
+                if file.parent.name == "prompts" else "")
+        raise ConfigError(f"{what}: prompt file '{path}' does not exist{hint}")
     if file.suffix == ".jsonl":
         rows, metas = [], []
         for n, line in enumerate(read_text_file(file, what).splitlines(), 1):
