@@ -119,7 +119,10 @@ class JSONHandler(BaseHTTPRequestHandler):
         self.timeout = self.server.limits.idle_timeout_s  # StreamRequestHandler sets it on the socket
         super().setup()
         self._watchdog = _Watchdog(self.connection)
-        self._watchdog.arm(self.server.limits.header_timeout_s)
+
+    def handle_one_request(self) -> None:
+        self._watchdog.arm(self.server.limits.header_timeout_s)  # each request's line + headers, kept-alive too
+        super().handle_one_request()
 
     def finish(self) -> None:
         self._watchdog.disarm()
