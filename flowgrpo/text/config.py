@@ -16,6 +16,9 @@ from ..config import load_config, output_dir_problem
 from ..core import AdvantageConfig, LossConfig, PartSpec, StrictModel
 from ..guards import GuardConfig
 
+# estimators whose advantage needs no other sample of the group
+GROUPLESS_ESTIMATORS = {"psr", "nsr", "w_reinforce"}
+
 # Merged under every config file, key by key (a file only states what differs).
 DEFAULTS: dict[str, Any] = {
     "advantage": {"estimator": "grpo", "head_nan_policy": "ignore_head"},
@@ -104,7 +107,7 @@ class GenerationConfig(StrictModel):
 
     backend: Literal["transformers", "vllm"] = "transformers"
     prompts_per_step: int = Field(2, ge=1)    # P
-    group_size: int = Field(8, ge=2)          # G (a group of one has no relative advantage: nothing to learn)
+    group_size: int = Field(8, ge=1)          # G (1 only for estimators without a group baseline)
     max_new_tokens: int = Field(32, ge=1)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -257,6 +260,11 @@ class TextConfig(StrictModel):
             raise ValueError("rewards: at least one reward function is needed")
         if problem := output_dir_problem(self.output_dir):
             raise ValueError(problem)
+        est = self.advantage.estimator.name
+        if self.generation.group_size < 2 and est not in GROUPLESS_ESTIMATORS:
+            raise ValueError(f"generation.group_size 1: estimator '{est}' compares the samples of a group, so "
+                             f"one sample has advantage 0 and nothing is learnt; use >= 2 (or one of "
+                             f"{sorted(GROUPLESS_ESTIMATORS)})")
         labels = [r.label for r in self.rewards]
         dup = sorted({x for x in labels if labels.count(x) > 1})
         if dup:
