@@ -97,7 +97,7 @@ class TextGRPOTrainer:
         self.params, self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.steps)
         self.use_kl = cfg.loss.kl.coef != 0
         self.reference = reference_policy(self.model, self.use_kl)
-        self.guard = NonFiniteGuard(cfg.guards, "step", nan_is_missing=True)  # hardening: non-finite rewards / grads / weights
+        self.guard = NonFiniteGuard(cfg.guards, "step", nan_is_missing=True)  # hardening: non-finite values
         self.step = 0
         self._in_step = False
         self.shared_prompt: Optional[bool] = None if cfg.train.shared_prompt == "auto" else cfg.train.shared_prompt
