@@ -179,3 +179,34 @@ def test_binding_beyond_loopback_needs_a_token():
                            "--host", "0.0.0.0", "--port", "0"], capture_output=True, text=True, timeout=60,
                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
     assert done.returncode == 2 and "token" in done.stderr.splitlines()[-1]
+
+
+def test_judge_clients_send_the_token(monkeypatch):
+    """The VLM judges (OpenAI-compatible servers) send `token` (or `api_key`) as the bearer token."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen: list[str] = []
+
+    class Models(BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append(self.headers.get("Authorization", ""))
+            body = json.dumps({"data": [{"id": "judge"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Models)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("JUDGE_TOKEN", "j-secret")
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        for name in ("vlm_judge", "vlm_judge_pairwise"):
+            build_scorer({"name": name, "url": url, "token": "env:JUDGE_TOKEN"}).client.health()
+        assert seen == ["Bearer j-secret"] * 2
+    finally:
+        server.shutdown()
