@@ -1,12 +1,12 @@
 """Non-finite guards for a training loop: no update from a non-finite number, a warning with counts, a clear
 stop when it keeps happening.
 
-What a loop does with a `NonFiniteGuard`:
-    values = guard.rewards(record, values)      # +-inf -> NaN (excluded like an unscored sample); counts;
-                                                # an update with no finite reward at all is a bad one
-    if guard.step_ok(record, grad_norm): optimizer.step()   # a NaN / inf gradient is never stepped
-    guard.weights(params)                       # a non-finite weight after a step stops the run at once
-    guard.end_update(record, index)             # warns; stops after `max_bad_updates` bad ones in a row
+Where the run loop (`flowgrpo.run`) uses its `NonFiniteGuard` (`RunLoop.guard`):
+    values = guard.rewards(record, values)      # each trainer, after collecting: +-inf -> NaN (excluded like an
+                                                # unscored sample); counts; no finite reward at all is a bad update
+    if guard.step_ok(grad_norm): optimizer.step()   # OptimizerStep: a NaN / inf gradient is never stepped
+    guard.end_update(record, index, params)     # RunLoop.train_step: a non-finite weight stops the run at once;
+                                                # warns; stops after `max_bad_updates` bad updates in a row
 
 NaN / inf rewards and huge ones (1e38: finite, but its square overflows in the advantage statistics)
 both end up as non-finite gradients, so the gradient check is the one that keeps the weights clean; the
@@ -46,7 +46,7 @@ class NonFiniteGuard:
     "not applicable" (the text trainer's None, counted per reward already), so only +-inf is reported; the
     image trainer's NaN is a failed score and is reported too."""
 
-    def __init__(self, config: GuardConfig, unit: str = "iteration", nan_is_missing: bool = False):
+    def __init__(self, config: GuardConfig, unit: str = "iteration", nan_is_missing: bool = False) -> None:
         self.config, self.unit, self.nan_is_missing = config, unit, nan_is_missing
         self.streak = 0
         self._reset()
@@ -74,12 +74,11 @@ class NonFiniteGuard:
         record["guard/nonfinite_rewards"] = self.nonfinite_rewards
         return out[0] if len(out) == 1 else tuple(out)
 
-    def step_ok(self, record: dict[str, Any], grad_norm: float) -> bool:
-        """False (skip this optimizer step) when the gradient norm is NaN / inf."""
+    def step_ok(self, grad_norm: float) -> bool:
+        """False (skip this optimizer step) when the gradient norm is NaN / inf (`OptimizerStep` asks)."""
         if math.isfinite(grad_norm):
             return True
         self.skipped_steps += 1
-        record["guard/skipped_steps"] = self.skipped_steps
         return False
 
     def weights(self, params: Iterable[torch.Tensor], index: int) -> None:
@@ -101,6 +100,7 @@ class NonFiniteGuard:
             what = "inf" if self.nan_is_missing else "NaN / inf"
             problems.append(f"{self.nonfinite_rewards} of {self.rewards_seen} rewards {what} (left out)")
         if self.skipped_steps:
+            record["guard/skipped_steps"] = self.skipped_steps
             problems.append(f"{self.skipped_steps} optimizer step(s) skipped: non-finite gradients")
         bad = self.no_finite_reward or self.skipped_steps > 0
         self.streak = self.streak + 1 if bad else 0

@@ -124,6 +124,14 @@ class LossMetrics:
         for k, v in other.weights.items():
             self.weights[k] = self.weights.get(k, 0.0) + v
 
+    @classmethod
+    def merged(cls, parts: list["LossMetrics"]) -> "LossMetrics":
+        """One accumulator over every rank's share (from Distributed.gather_objects)."""
+        out = cls()
+        for part in parts:
+            out.absorb(part)
+        return out
+
     def result(self, optimizer_steps: int) -> dict[str, float]:
         out: dict[str, float] = {**self.mins, **self.maxs}
         for k, v in self.sums.items():

@@ -1,2 +1,3 @@
+"""Rollouts for image policies: model adapters, transition kernels, rollout plans, the sampler."""
 
-import reward_models._import_hooks  # noqa: E402,F401  (torchvision on a CPU torch; imports nothing)
+import flowgrpo.torchvision_hook  # noqa: F401  (first: torchvision on a CPU torch; imports nothing)

@@ -1,8 +1,9 @@
-"""BranchGRPO pruning: which edges of a rollout tree enter the backward pass.
+"""Edge selection: which edges of a rollout tree enter the backward pass.
 
-Pruning never changes sampling or rewards; it only removes edges from training. Each function returns
-a bool mask over the tree's nodes (the edge into node n is kept where the mask is True); combine them
-with `tree.edge_trained` by `&`.
+BranchGRPO's depth / width pruning, and DanceGRPO's per-sample random timestep subsets. Selection
+never changes sampling or rewards; it only removes edges from training. Each function returns a bool
+mask over the tree's nodes (the edge into node n is kept where the mask is True); combine them with
+`tree.edge_trained` by `&`.
 """
 
 from __future__ import annotations
@@ -69,4 +70,42 @@ def width_pruning(tree: RolloutTree, node_advantage: Tensor, keep_ratio: float =
         members = ids[group == g]
         n = math.ceil(members.numel() * keep_ratio)
         keep[members[torch.argsort(node_advantage[members].float(), descending=True, stable=True)[:n]]] = True
+    return keep
+
+
+def per_sample_steps(tree: RolloutTree, fraction: float, generator: torch.Generator,
+                     exclude_last: bool = False) -> Tensor:
+    """Each final sample trains its own random int(fraction * n) of its n trainable steps.
+
+    DanceGRPO / Pref-GRPO: drop the last step (exclude_last), draw an independent random permutation
+    of the remaining steps per sample, train the first int(timestep_fraction * n) of it. The n steps
+    are those the plan marks trained. Chains must not share trained edges (a tree would need one
+    choice per shared edge): use it with chain plans (full_sde, window without a shared prefix).
+    """
+    if not 0 < fraction <= 1:
+        raise ValueError(f"per_sample_fraction must be in (0, 1], got {fraction}")
+    chains = tree.ancestors(tree.leaves).flatten(0, 1)[:, 1:]   # [S, T] edge into depth 1..T of each sample
+    T = chains.shape[1]
+    edge_ok = chains >= 0
+    ids = chains.clamp_min(0)
+    planned = edge_ok & tree.edge_trained[ids]
+    trainable = planned.clone()
+    if exclude_last:
+        trainable[:, T - 1] = False
+    used = ids[trainable]
+    if used.unique().numel() != used.numel():
+        raise ValueError("per-sample step subsets need chains that share no trained edge (a chain plan, "
+                         "no shared prefix); this rollout tree shares edges between samples")
+    n = trainable.sum(1)
+    if bool((n != n[0]).any()):
+        raise ValueError("per-sample step subsets need the same trainable steps in every sample")
+    k = int(fraction * int(n[0]))
+    # an independent uniform permutation per sample over its trainable steps: sort uniform keys
+    keys = torch.rand(chains.shape, generator=generator, dtype=torch.float64)
+    keys = torch.where(trainable, keys, torch.full_like(keys, 2.0))   # untrainable steps sort last
+    chosen = torch.zeros_like(trainable)
+    chosen.scatter_(1, torch.argsort(keys, dim=1, stable=True)[:, :k], True)
+    keep = torch.ones(tree.num_nodes, dtype=torch.bool)
+    keep[ids[planned]] = False                # every planned step of a chain is dropped ...
+    keep[ids[chosen & trainable]] = True      # ... but the ones this sample drew
     return keep

@@ -42,6 +42,16 @@ class StepPlan:
 
 
 @dataclass(frozen=True)
+class CompressedTail:
+    """MixGRPO-Flash: after grid index `start`, the sampler's `grid_steps`-step grid is rebuilt with `points`
+    points (from sigma_start to 0, time-shifted), so the plan has start + points - 1 steps."""
+
+    start: int
+    points: int
+    grid_steps: int
+
+
+@dataclass(frozen=True)
 class RolloutPlan:
     name: str
     steps: tuple[StepPlan, ...]
@@ -49,6 +59,12 @@ class RolloutPlan:
     probe_solver: str = "euler"
     one_step_probes: bool = False   # VGPO: x0 estimate by one Euler jump instead of a full completion
     shared_prefix: bool = False      # deterministic steps before the first SDE step are the same for a group
+    tail: Optional[CompressedTail] = None  # the grid after the last SDE step is re-gridded (MixGRPO-Flash)
+
+    @property
+    def grid_steps(self) -> int:
+        """The sampler's num_steps this plan was built for (= num_steps unless the tail is compressed)."""
+        return self.num_steps if self.tail is None else self.tail.grid_steps
 
     @property
     def num_steps(self) -> int:
@@ -147,36 +163,58 @@ def _window_start(num_steps: int, iteration: int, rng: Optional[random.Random], 
 def window(num_steps: int, iteration: int = 0, rng: Optional[random.Random] = None, /, *,
            size: int = 3, schedule: str = "random", start: int = 0, range_end: Optional[int] = None,
            stride: int = 1, iters_per_shift: int = 25, max_iters: int = 10, min_iters: int = 1,
-           post_solver: str = "euler", share_prefix: bool = True) -> RolloutPlan:
+           post_solver: str = "euler", share_prefix: bool = True, post_compress: Optional[float] = None) -> RolloutPlan:
     """Flow-GRPO-Fast and MixGRPO: SDE and trained inside a window, ODE outside.
 
     Flow-GRPO-Fast: schedule=random, range_end=T/2, size 1-3. MixGRPO: schedule=progressive (or decay),
-    size 4. MixGRPO-Flash: post_solver=dpm2m (2nd-order solver after the window).
+    size 4. MixGRPO-Flash: post_solver=dpm2m (2nd-order solver after the window) and post_compress = c
+    (`dpm_post_compress_ratio`): the grid after the window is rebuilt with max(int((T - 1 - L) c), 1)
+    points from the first sigma after the window to 0 (L = the window's last step), on the sampler's
+    time_shift grid, as MixGRPO's run_sample_step does; fewer steps are then run after the window.
     """
     _check_steps(num_steps)
     s0 = _window_start(num_steps, iteration, rng, size, schedule, start, range_end, stride,
                        iters_per_shift, max_iters, min_iters)
-    inside = [s0 <= i < s0 + size for i in range(num_steps)]
-    solver = ["euler" if i < s0 + size else post_solver for i in range(num_steps)]
-    return RolloutPlan("window", _chain(num_steps, inside, inside, solver), shared_prefix=share_prefix).validate()
+    tail, total = None, num_steps
+    if post_compress is not None:
+        if not 0 < post_compress <= 1:
+            raise ValueError(f"post_compress must be in (0, 1], got {post_compress}")
+        last = s0 + size - 1
+        points = max(int((num_steps - 1 - last) * post_compress), 1)
+        if points < 2:
+            raise ValueError(f"post_compress {post_compress} leaves {points} point after step {last} of {num_steps}: "
+                             "the rebuilt tail would not reach sigma 0 (MixGRPO's grid then ends noisy)")
+        tail = CompressedTail(start=last + 1, points=points, grid_steps=num_steps)
+        total = last + points
+    inside = [s0 <= i < s0 + size for i in range(total)]
+    solver = ["euler" if i < s0 + size else post_solver for i in range(total)]
+    return RolloutPlan("window", _chain(total, inside, inside, solver), shared_prefix=share_prefix,
+                       tail=tail).validate()
 
 
 @PLANS.register("tree")
 def tree(num_steps: int, iteration: int = 0, rng: Optional[random.Random] = None, /, *,
          split_steps: Sequence[int] = (0, 3, 6, 9), branch: int = 2, noise_scale: float = 1.0,
-         mix_window: Optional[int] = None, mix_stride: int = 1, mix_iters_per_shift: int = 25) -> RolloutPlan:
+         mix_window: Optional[int] = None, mix_stride: int = 1, mix_iters_per_shift: int = 25,
+         mix_period: Optional[int] = None) -> RolloutPlan:
     """BranchGRPO: every step SDE and trained; at each split step every node gets `branch` children.
 
     mix_window = w gives BranchGRPO-Mix: SDE only inside a sliding window of w steps and at split steps;
-    the other steps are ODE and untrained. Width / depth pruning select edges for training only and
-    live in the trainer's edge selection, not in the plan.
+    the other steps are ODE and untrained. mix_period = p instead applies the released code's rule
+    (train_branchgrpo_flux.py, `mix_ode_sde_tree`): step i is SDE iff i % p < w, the same every
+    iteration (p is its depth_pruning_slide_interval, 30 in the 8-GPU script: with 20 steps, steps 0-3).
+    Width / depth pruning select edges for training only and live in the trainer's edge selection.
     """
     _check_steps(num_steps)
     splits = set(split_steps)
     if any(not 0 <= s < num_steps for s in splits):
         raise ValueError(f"split_steps {sorted(splits)} must lie in [0, {num_steps - 1}]")
+    if mix_period is not None and (mix_window is None or mix_period < 1):
+        raise ValueError(f"mix_period={mix_period} needs mix_window and must be >= 1")
     if mix_window is None:
         sde = [True] * num_steps
+    elif mix_period is not None:
+        sde = [i in splits or i % mix_period < mix_window for i in range(num_steps)]
     else:
         s0 = _window_start(num_steps, iteration, rng, mix_window, "progressive", 0, None, mix_stride,
                            mix_iters_per_shift, 1, 1)

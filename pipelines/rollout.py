@@ -34,6 +34,7 @@ class RolloutTree:
     num_steps: int = 0
     counters: dict[str, float] = field(default_factory=dict)
     schedule: Any = None  # the FlowSchedule / DDIMSchedule the rollout ran on (re-scoring needs it)
+    leaf_images: Optional[Tensor] = None  # [P, L, C, h, w] latents to decode when not the leaf states
 
     @property
     def num_nodes(self) -> int:
@@ -47,8 +48,11 @@ class RolloutTree:
         return self.edge_trained.nonzero().squeeze(1)
 
     def leaf_latents(self) -> Tensor:
-        """Final latents laid out [P, L, C, h, w]: the group of prompt p is leaves[p]."""
-        return self.states[self.leaves]
+        """Latents of the final images laid out [P, L, C, h, w]: the group of prompt p is leaves[p].
+
+        The leaf states, or `leaf_images` when the sampler decodes something else (sampler.decode last_x0).
+        """
+        return self.states[self.leaves] if self.leaf_images is None else self.leaf_images
 
     def ancestors(self, nodes: Tensor) -> Tensor:
         """For node ids of shape S, their ancestor at every depth 0..T: [*S, T + 1] (-1 below the node)."""
@@ -122,6 +126,7 @@ def concat_trees(trees: list[RolloutTree]) -> RolloutTree:
         prompt_off += t.num_prompts
     cat = lambda name: torch.cat([getattr(t, name) for t in trees])  # noqa: E731
     probes = [t.probe_latents for t in trees if t.probe_latents is not None]
+    images = [t.leaf_images for t in trees if t.leaf_images is not None]
     counters = {k: sum(t.counters.get(k, 0.0) for t in trees) for k in trees[0].counters}
     return RolloutTree(
         parent=torch.cat(parts["parent"]), depth=cat("depth"), prompt=torch.cat(parts["prompt"]),
@@ -130,4 +135,5 @@ def concat_trees(trees: list[RolloutTree]) -> RolloutTree:
         edge_mean=cat("edge_mean") if trees[0].edge_mean is not None else None,
         leaves=torch.cat(parts["leaves"]), probe_nodes=torch.cat(parts["probe_nodes"]),
         probe_latents=torch.cat(probes) if probes else None, num_steps=trees[0].num_steps,
-        counters=counters, schedule=trees[0].schedule)
+        counters=counters, schedule=trees[0].schedule,
+        leaf_images=torch.cat(images) if len(images) == len(trees) else None)

@@ -18,7 +18,7 @@ from flowgrpo.core.config import PartSpec, StrictModel
 
 from .plans import RolloutPlan
 from .rollout import RolloutTree
-from .schedules import ddim_schedule, flow_schedule
+from .schedules import SIGMA_GRIDS, compress_tail, ddim_schedule, flow_schedule
 from .steps import KERNELS, StepOutput, rescore, step
 
 
@@ -26,16 +26,28 @@ class SamplerConfig(StrictModel):
     num_steps: int = Field(10, ge=1)
     sde_kernel: PartSpec = Field(default_factory=lambda: PartSpec(name="flow_sde"))
     guidance_scale: float = 4.5
+    negative_prompt: str = ""                    # the unconditional branch of CFG
     cfg_mode: Literal["full", "none"] = "full"   # sampling; training re-scores with `train_cfg_mode`
     train_cfg_mode: Literal["full", "detach_uncond", "none"] = "detach_uncond"
     shift: Optional[float] = None                # None: the adapter's scheduler config decides
+    # Sigma grid by name: "scheduler" (the model's diffusers scheduler) or {name: time_shift, shift: 3}
+    # (DanceGRPO's sd3_time_shift over linspace(1, 0, n+1), which the FLUX GRPO papers use).
+    schedule: PartSpec = Field(default_factory=lambda: PartSpec(name="scheduler"))
     height: int = Field(32, ge=8)                # pixels; the adapter checks its own multiple and maximum
     width: int = Field(32, ge=8)
     share_noise: bool = False                    # same initial noise for every root of a prompt
     keep_means: bool = False                     # store the rollout mean of each edge (GRPO-Guard)
+    # What the images are decoded from: "final" = the last state; "last_x0" = the last step's clean
+    # estimate x_{T-1} - sigma_{T-1} v, without that step's noise (DanceGRPO, Pref-GRPO, BranchGRPO,
+    # MixGRPO's drop_last_sample decode pred_original). Edges and log-probs are unchanged.
+    decode: Literal["final", "last_x0"] = "final"
 
     def model_post_init(self, __context: Any) -> None:
         self.sde_kernel.check(KERNELS)
+        self.schedule.check(SIGMA_GRIDS)
+        if self.schedule.name != "scheduler" and self.shift is not None:
+            raise ValueError(f"sampler: shift applies to the 'scheduler' grid; schedule '{self.schedule.name}' "
+                             "sets its own (e.g. schedule: {name: time_shift, shift: 3.0})")
 
 
 @dataclass
@@ -95,10 +107,27 @@ class Sampler:
 
     # --- kernels and schedule ------------------------------------------------------------------
 
-    def schedule(self, adapter):
+    def schedule(self, adapter, plan: Optional[RolloutPlan] = None):
+        """The sigma (or DDIM) grid of `num_steps`; with a plan that compresses its tail, the rebuilt grid."""
+        base = self._grid(adapter)
+        if plan is None or plan.tail is None:
+            return base
+        if self.config.schedule.name != "time_shift":
+            raise ValueError(f"plan '{plan.name}' rebuilds its tail on the time_shift grid: set sampler.schedule "
+                             "{name: time_shift, shift: ...} (MixGRPO's sd3_time_shift grid)")
+        settings = {"shift": 3.0, "integer_timesteps": False, **self.config.schedule.settings}
+        return compress_tail(base, plan.tail.start, plan.tail.points, **settings)
+
+    def _grid(self, adapter):
         cfg = self.config
+        grid = cfg.schedule.name
         if adapter.prediction == "epsilon":
+            if grid != "scheduler":
+                raise ValueError(f"sampler.schedule '{grid}' is a flow-matching grid; {adapter.family} is an "
+                                 "epsilon-prediction model (use schedule: scheduler)")
             return ddim_schedule(cfg.num_steps, config=adapter.scheduler_config)
+        if grid != "scheduler":
+            return SIGMA_GRIDS.get(grid).fn(cfg.num_steps, **cfg.schedule.settings)
         if adapter.scheduler_config.get("use_dynamic_shifting"):  # FLUX, Qwen-Image: shift from the token count
             return flow_schedule(cfg.num_steps, image_seq_len=adapter.image_seq_len(cfg.height, cfg.width),
                                  config=adapter.scheduler_config)
@@ -122,7 +151,9 @@ class Sampler:
 
     def _time(self, adapter, schedule, steps: Tensor) -> Tensor:
         """What the adapter takes as time: sigma (flow matching) or the integer timestep (DDIM)."""
-        return schedule.timesteps[steps] if adapter.prediction == "epsilon" else schedule.sigmas[steps]
+        if adapter.prediction == "epsilon":
+            return schedule.timesteps[steps]
+        return schedule.sigmas[steps] if schedule.model_sigmas is None else schedule.model_sigmas[steps]
 
     def _forward(self, adapter, x: Tensor, steps: Tensor, schedule, embeds, prompt: Tensor, cfg_mode: str,
                  grad: bool) -> Tensor:
@@ -141,8 +172,8 @@ class Sampler:
             generator: Optional[torch.Generator] = None) -> RolloutTree:
         """Sample `group_size` final states per prompt by `plan`; returns every node and edge."""
         cfg = self.config
-        if plan.num_steps != cfg.num_steps:
-            raise ValueError(f"plan has {plan.num_steps} steps but the sampler is set to num_steps={cfg.num_steps}")
+        if plan.grid_steps != cfg.num_steps:
+            raise ValueError(f"plan has {plan.grid_steps} steps but the sampler is set to num_steps={cfg.num_steps}")
         leaves = plan.leaves_per_root
         if group_size % leaves:
             raise ValueError(f"plan '{plan.name}' gives {leaves} final states per root; group_size {group_size} "
@@ -155,8 +186,8 @@ class Sampler:
                 steps[first] = replace(steps[first], branch=steps[first].branch * roots)
                 plan, roots = replace(plan, steps=tuple(steps)), 1
         before = self.counters.as_dict()
-        schedule = self.schedule(adapter)
-        embeds = adapter.encode_prompts(prompts)
+        schedule = self.schedule(adapter, plan)
+        embeds = adapter.encode_prompts(prompts, self.config.negative_prompt)
         device = next(adapter.denoiser.parameters()).device
         shape = adapter.latent_shape(cfg.height, cfg.width)
         P = len(prompts)
@@ -167,7 +198,7 @@ class Sampler:
         frontier = nodes.add(torch.full((x.shape[0],), -1, dtype=torch.long), 0, frontier_prompt, x,
                              keep_mean=cfg.keep_means)
         probe_ids, probe_latents = [], []
-        state = None
+        state, last_x0 = None, None
         for i, sp in enumerate(plan.steps):
             steps_i = torch.full((x.shape[0],), i, dtype=torch.long)
             v = self._forward(adapter, x, steps_i, schedule, embeds, frontier_prompt, cfg.cfg_mode, grad=False)
@@ -198,7 +229,12 @@ class Sampler:
             x, state = out.x_next, out.state
             frontier = nodes.add(frontier, i + 1, frontier_prompt, x, step_index=i, sde=sp.sde,
                                  trained=sp.trained and sp.sde, out=out, keep_mean=cfg.keep_means)
+            if cfg.decode == "last_x0" and i == plan.num_steps - 1:
+                last_x0 = out.x0_hat.to(x.dtype)
         tree = self._assemble(nodes, frontier, frontier_prompt, P, plan.num_steps, probe_ids, probe_latents)
+        if last_x0 is not None:
+            order = torch.argsort(frontier_prompt, stable=True)  # the leaves' layout (_assemble)
+            tree.leaf_images = last_x0[order].view(*tree.leaves.shape, *last_x0.shape[1:])
         tree.schedule = schedule
         after = self.counters.as_dict()
         tree.counters = {k: after[k] - before[k] for k in after}
@@ -257,7 +293,7 @@ class Sampler:
         steps = tree.edge_step[edges]
         x = tree.states[tree.parent[edges]]
         x_next = tree.states[edges]
-        embeds = adapter.encode_prompts(prompts)
+        embeds = adapter.encode_prompts(prompts, self.config.negative_prompt)
         mode = cfg_mode or self.config.train_cfg_mode
         if self.config.cfg_mode == "none":
             mode = "none"

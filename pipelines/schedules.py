@@ -7,15 +7,21 @@ grid the diffusers pipeline walks. diffusers is imported only when a schedule is
     sched = flow_schedule(10, shift=3.0)                 # SD3-style: sigmas [11], last 0
     sched = flow_schedule(28, config=flux_cfg, image_seq_len=4096, spacing="uniform")   # FLUX
     sched = ddim_schedule(50)                            # SD1.5 DDIM, epsilon prediction
+    sched = time_shift_schedule(16, shift=3.0)           # DanceGRPO / MixGRPO / BranchGRPO / Pref-GRPO
+
+A sampler picks its grid by name from SIGMA_GRIDS (`sampler.schedule`): "scheduler" (the model's
+diffusers scheduler decides, the default) or "time_shift" (a fixed shift over a uniform grid).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import Tensor
+
+from flowgrpo.core.registry import Registry
 
 # How the unshifted sigmas are spaced before the shift is applied (diffusers appends the final 0):
 #   "diffusers": what `set_timesteps(n)` and the SD3 pipeline use: linspace(1, sigma_min, n) where
@@ -47,6 +53,9 @@ class FlowSchedule:
 
     sigmas: Tensor  # [T+1] float32, strictly decreasing, in [0, 1]
     timesteps: Tensor  # [T] float32, what the denoiser is conditioned on (sigma * num_train_timesteps)
+    # [T] the flow time the denoiser sees when it is not sigmas[:-1] (FastVideo trainers round it down
+    # to int(1000 * sigma) / 1000); the kernels always use the exact sigmas.
+    model_sigmas: Optional[Tensor] = None
 
     def __post_init__(self) -> None:
         s = self.sigmas
@@ -56,6 +65,8 @@ class FlowSchedule:
             raise ValueError(f"sigmas must lie in [0, 1] and strictly decrease, got {s.tolist()}")
         if self.timesteps.shape != (s.numel() - 1,):
             raise ValueError(f"timesteps must have shape [{s.numel() - 1}], got {tuple(self.timesteps.shape)}")
+        if self.model_sigmas is not None and self.model_sigmas.shape != (s.numel() - 1,):
+            raise ValueError(f"model_sigmas must have shape [{s.numel() - 1}], got {tuple(self.model_sigmas.shape)}")
 
     @property
     def num_steps(self) -> int:
@@ -186,3 +197,57 @@ def ddim_schedule(num_steps: int, *, config: Mapping[str, Any] | None = None) ->
     acp = sched.alphas_cumprod.float()
     alpha_bar_prev = torch.where(prev >= 0, acp[prev.clamp(min=0)], sched.final_alpha_cumprod.float())
     return DDIMSchedule(t, acp[t], alpha_bar_prev, c.prediction_type)
+
+
+# ------------------------------------------------------------------------------------- named grids
+
+SIGMA_GRIDS = Registry("sigma grid")
+
+
+@SIGMA_GRIDS.register("scheduler")
+def scheduler_grid() -> None:
+    """The model's own diffusers scheduler (FLUX: dynamic shift from the token count; SD3: `sampler.shift`)."""
+    return None  # a marker: the sampler builds this grid from the adapter's scheduler config
+
+
+@SIGMA_GRIDS.register("time_shift")
+def time_shift_schedule(num_steps: int, *, shift: float = 3.0, integer_timesteps: bool = False) -> FlowSchedule:
+    """sigma = s*t / (1 + (s-1)*t) over t = linspace(1, 0, num_steps + 1): a static shift, final sigma 0.
+
+    DanceGRPO's `sd3_time_shift` grid (`--shift 3`), used as is by MixGRPO, BranchGRPO and Pref-GRPO
+    for FLUX instead of FLUX's resolution-dependent dynamic shift. Computed in float32 with the same
+    operations as theirs, so the grid is theirs to the bit. integer_timesteps: the denoiser is
+    conditioned on int(1000 * sigma) / 1000, as those trainers pass `timestep = int(sigma * 1000)`
+    (the kernels still use the exact sigmas).
+    """
+    if not isinstance(num_steps, int) or num_steps < 1:
+        raise ValueError(f"num_steps must be a positive int, got {num_steps!r}")
+    if not shift > 0:
+        raise ValueError(f"shift must be > 0, got {shift}")
+    t = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float32)
+    sigmas = (shift * t) / (1 + (shift - 1) * t)
+    schedule = FlowSchedule.from_sigmas(sigmas)
+    if not integer_timesteps:
+        return schedule
+    whole = (sigmas[:-1] * 1000).long()  # int() truncation, as the published trainers
+    return FlowSchedule(schedule.sigmas, whole.float(), whole.float() / 1000)
+
+
+def compress_tail(schedule: FlowSchedule, start: int, points: int, *, shift: float,
+                  integer_timesteps: bool = False) -> FlowSchedule:
+    """MixGRPO-Flash's rebuilt tail of a time_shift grid: keep sigmas[:start], then `points` values
+    s*u / (1 + (s-1)*u) over u = linspace(t_start, 0, points), t_start the unshifted time of sigmas[start].
+
+    The grid goes from sigma_start to 0 in points - 1 steps instead of num_steps - start.
+    """
+    n = schedule.num_steps
+    if not 0 < start < n or points < 2:
+        raise ValueError(f"compress_tail: need 0 < start < {n} and points >= 2, got start={start}, points={points}")
+    t_start = float(torch.linspace(1.0, 0.0, n + 1, dtype=torch.float32)[start])
+    u = torch.linspace(t_start, 0.0, points, dtype=torch.float32)
+    sigmas = torch.cat([schedule.sigmas[:start], (shift * u) / (1 + (shift - 1) * u)])
+    out = FlowSchedule.from_sigmas(sigmas)
+    if not integer_timesteps:
+        return out
+    whole = (sigmas[:-1] * 1000).long()
+    return FlowSchedule(out.sigmas, whole.float(), whole.float() / 1000)

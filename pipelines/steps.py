@@ -7,7 +7,7 @@ A kernel is registered by name as a *law*: a pure function (x, model_output, sch
     new = rescore("flow_sde", x, out.x_next, v_new, sched, i, a=0.7)  # logp / mean of that x_next
     ratio = exp(new.logp - out.logp)                               # exactly 1 when v_new == v
 
-Conventions (DESIGN.md): flow-matching sigma 1 = noise, 0 = data; step i goes sigma_i -> sigma_{i+1}
+Conventions (docs/architecture.md): flow-matching sigma 1 = noise, 0 = data; step i goes sigma_i -> sigma_{i+1}
 with dt = sigma_i - sigma_{i+1} > 0; v ~ eps - x0, so x0_hat = x - sigma*v and x1_hat = x + (1-sigma)*v.
 logp is the mean over latent dims (flowgrpo.core.gaussian). All maths runs in float32; x_next comes
 back in the input dtype and logp is taken of that rounded x_next, so re-scoring the stored state gives

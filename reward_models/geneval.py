@@ -33,7 +33,7 @@ Outputs (all [B]):
                    exclude clause is violated (the reward-server's strict_correct);
   '<key>/correct'  the published GenEval check: at least `count` objects (the `count` best
                    ones are checked for colour and position), exclude clauses as above.
-Sources: thresholds and margin from the reward-server read for reward_models.md §2.8; the
+Sources: thresholds and margin from Flow-GRPO's GenEval reward server; the
 relation rule, the > comparisons, the NMS loop and the original `correct` check follow the
 published GenEval evaluate_images.py as remembered [verify against the source]; the exact
 structure of the partial score (which terms are added when a count fails, excludes not scored)

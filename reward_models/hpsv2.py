@@ -1,4 +1,4 @@
-"""HPSv2 / HPSv2.1: human preference score on an OpenCLIP ViT-H/14 (research/reward_models.md §2.2).
+"""HPSv2 / HPSv2.1: human preference score on an OpenCLIP ViT-H/14 (the HPSv2 paper and release).
 
 score = cos(image, text) = <f_img / |f_img|, f_txt / |f_txt|>, the published recipe: the model's
 L2-normalised image and text features, dotted, with no logit scale. Range [-1, 1]; typical 0.20-0.35
@@ -17,7 +17,7 @@ differentiable, on the model's device) and "pil" (open_clip's own transform on u
 the reference). Text: open_clip's CLIP BPE tokenizer (bundled with open_clip), 77 tokens.
 The reference runs under fp16 autocast; `dtype` casts the weights instead, scores are float32.
 open_clip needs torchvision; on a CPU torch `import reward_models` installs the import fix
-(reward_models/_import_hooks.py) before open_clip is imported here.
+(flowgrpo/torchvision_hook.py) before open_clip is imported here.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import _import_hooks  # noqa: F401  (torchvision on a CPU torch, before open_clip)
+import flowgrpo.torchvision_hook  # noqa: F401  (torchvision on a CPU torch, before open_clip)
 from .base import Pretrained, Scorer
 from .encoders import PREPROCESS_MODES
 from .images import ImageBatch

@@ -1,4 +1,4 @@
-"""ImageReward v1.0 on transformers' BLIP classes (research/reward_models.md §2.4).
+"""ImageReward v1.0 on transformers' BLIP classes (the ImageReward paper and the THUDM/ImageReward release).
 
     score = (MLP(h_cls) - 0.16717362830052426) / 1.0333394966054072
 
@@ -31,8 +31,8 @@ What the real weights need: `ImageReward.pt` (hub repo THUDM/ImageReward, a loca
 the file) and the `bert-base-uncased` tokenizer (hub id or a local directory). `med_config.json`
 is optional: sizes are read off the checkpoint's tensors, attention heads from med_config.json when
 present, else width / 64 (true of every published BLIP tower).
-Not verified here: parity with the `image-reward` package on real weights (no hub access; see the
-`@gpu`-style parity check suggested in research/reward_models.md §7.6).
+Not verified here: parity with the `image-reward` package on real weights (no hub access;
+a GPU parity check against that package is the missing piece).
 """
 
 from __future__ import annotations

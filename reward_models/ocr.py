@@ -1,6 +1,6 @@
 """OCR reward: does the image show the text quoted in the prompt?
 
-Recipe (Flow-GRPO flow_grpo/ocr.py, as read in /work/shared/research/reward_models.md §2.7):
+Recipe (Flow-GRPO's OCR reward, flow_grpo/ocr.py of its release):
   target     = the text between the first pair of double quotes in the prompt, or the metadata
                field `ocr_target` when given (a None entry falls back to the prompt);
   recognised = every word the engine read with confidence > min_confidence, concatenated;

@@ -1,5 +1,4 @@
-"""PromptEcho: the prompt's likelihood under a frozen vision-language model (arXiv 2604.12652;
-research/flow_methods.md §8).
+"""PromptEcho: the prompt's likelihood under a frozen vision-language model (arXiv 2604.12652).
 
 A frozen VLM sees the generated image and a fixed guiding query (a "describe this image"
 instruction) as the user turn; the original prompt p is teacher-forced as the assistant's answer.

@@ -1,6 +1,6 @@
 """Client scorer for any HTTP reward server speaking reward_models.wire (JSON + PNG, no pickle).
 
-Failure handling, learnt from the anchors' servers (which retried up to 1000 times, stalling
+Failure handling, learnt from the published methods' reward servers (which retried up to 1000 times, stalling
 training for hours, and turned failures into silent zeros):
 - every attempt has a timeout: timeout_s bounds the whole attempt (connect, headers and body), so
   a server that trickles its answer a byte at a time is cut off too; attempts are bounded

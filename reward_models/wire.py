@@ -8,7 +8,7 @@ GET /health response: {"status": "ok", "scorer": <name>, "key": <main key>,
 
 Metadata values are JSON values; images inside them (PIL, [3,H,W] or [K,3,H,W] tensors) travel as
 {"__png__": <base64 PNG>}. PNG is lossless for the uint8 images every scorer sees, unlike the JPEG
-q75 of the anchors' servers, which changes what OCR and quality scorers score.
+q75 of the published methods' reward servers, which changes what OCR and quality scorers score.
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """Test-wide settings: no model hub, two threads, fixed seeds."""
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-import reward_models._import_hooks  # noqa: E402,F401  (torchvision on a CPU torch)
+import flowgrpo.torchvision_hook  # noqa: E402,F401  (torchvision on a CPU torch)
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -90,3 +91,27 @@ def kill_after_first_checkpoint():
         return load_checkpoint(latest_checkpoint(run_dir / "checkpoints"), restore_rng=False).step
 
     return run
+
+
+# The heavy tier: image-model runs of many iterations and multi-process runs. `pytest` leaves them out (the
+# default tier, a few minutes); `pytest -m heavy` runs them (CI and the README's command run both).
+HEAVY_MODULES = {
+    "tests/t2i/test_learning.py",  # every recipe learns, against its lr=0 control
+    "tests/t2i/test_resume.py",  # bit-identical resume of image recipes, SIGKILL included
+    "tests/t2i/test_two_process.py",  # two ranks against one, image trainer
+    "tests/text/test_two_process.py",  # two ranks against one, text trainer
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    root = Path(__file__).resolve().parents[1]
+    for item in items:
+        if Path(str(item.fspath)).resolve().relative_to(root).as_posix() in HEAVY_MODULES:
+            item.add_marker(pytest.mark.heavy)
+    if "heavy" in (config.getoption("markexpr") or ""):
+        return
+    drop = [it for it in items if it.get_closest_marker("heavy")]
+    if drop:
+        dropped = set(map(id, drop))
+        config.hook.pytest_deselected(items=drop)
+        items[:] = [it for it in items if id(it) not in dropped]

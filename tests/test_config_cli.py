@@ -76,7 +76,7 @@ def test_file_then_overrides_and_round_trip(tmp_path):
 def test_loss_part_settings_merge_with_preset_and_defaults():
     assert LossConfig(preset="dapo", bounds={"eps_high": 0.4}).bounds.settings == {"eps_low": 0.2, "eps_high": 0.4}
     assert LossConfig(bounds={"eps": 0.3}).bounds.name == "symmetric"
-    assert LossConfig(preset="flow_grpo", kl={"coef": 0.1}).kl.estimator == "gaussian"
+    assert LossConfig(preset="flow_grpo", kl={"coef": 0.1}).kl.estimator == "flow_grpo"
 
 
 def test_metrics_writer_round_trip(tmp_path):

@@ -5,13 +5,14 @@
     out = policy_loss(LossInputs(logp, logp_old, adv_per_row, mask), LossConfig(preset="dapo"))
 """
 
-from .advantages import ESTIMATORS, compute_advantages
+from .advantages import ESTIMATORS
 from .config import AdvantageConfig, KLSpec, LossConfig, PartSpec, StrictModel
 from .contracts import AdvantageResult, GroupBatch, TreeStructure
 from .gaussian import gaussian_logprob, mean_sqdist
 from .losses import (AGGREGATIONS, BOUNDS, KL_ESTIMATORS, PRESETS, RATIOS, STEP_WEIGHTINGS, SURROGATES,
-                     LossInputs, LossNormalizer, LossOutput, guard_log_ratio, policy_loss)
+                     LossInputs, LossNormalizer, LossOutput, guard_log_ratio)
 from .registry import Registry, UnknownNameError
+from .stages import compute_advantages, policy_loss
 from .transforms import TRANSFORMS
 
 __all__ = [

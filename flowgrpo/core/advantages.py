@@ -10,13 +10,11 @@ Sample-level estimators read the weighted sum of the reward heads unless they sa
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import torch
 from torch import Tensor
 
-from .config import AdvantageConfig
-from .contracts import AdvantageResult, GroupBatch
+from .contracts import AdvantageResult, GroupBatch, given
 from .registry import Registry
 from .stats import masked_count, masked_mean, masked_median, masked_std, whole_batch_std, zscore
 
@@ -25,7 +23,7 @@ ESTIMATORS = Registry("advantage estimator")
 
 def _sample_result(adv: Tensor, usable: Tensor, batch: GroupBatch, **metrics: float) -> AdvantageResult:
     adv = torch.where(usable, adv, torch.zeros_like(adv))
-    return AdvantageResult(adv, batch.valid.float(), "sample", dict(metrics))
+    return AdvantageResult(adv, batch.mask.float(), "sample", dict(metrics))
 
 
 # --- group-relative baselines -------------------------------------------------------------------
@@ -142,7 +140,7 @@ def a_grae(batch: GroupBatch, *, alpha: float = 1.0, eps: float = 1e-6, std_eps:
     """A-GRAE: GRPO advantage reweighted from easy to hard prompts as batch accuracy rises.
 
     Rewards are read as accuracies in [0, 1]. Positive advantages are damped by min(1, batch acc / alpha).
-    The eps of the difficulty terms was not stated in the notes we have: it is a setting.
+    The eps of the difficulty terms is not stated in the paper: it is a setting.
     """
     r = batch.scalar_rewards()
     ok = batch.usable(r)
@@ -184,13 +182,19 @@ def psr(batch: GroupBatch) -> AdvantageResult:
 
 
 @ESTIMATORS.register("gdpo")
-def gdpo(batch: GroupBatch, *, eps: float = 1e-4, unbiased: bool = True) -> AdvantageResult:
-    """GDPO: z-score each reward head in its group, weighted sum, then z-score over the batch."""
+def gdpo(batch: GroupBatch, *, eps: float = 1e-4, unbiased: bool = True, batch_norm: bool = True) -> AdvantageResult:
+    """GDPO: z-score each reward head in its group, weighted sum, then z-score over the batch.
+
+    batch_norm=False stops at the weighted sum of per-head group z-scores: MixGRPO's
+    `multi_reward_mix advantage_aggr` and Pref-GRPO's 0.7 A_winrate + 1.4 A_clip (eps 1e-8 there).
+    """
     heads = batch.head_rewards().float()
     head_ok = batch.usable(heads)
     normed = zscore(heads, head_ok, dim=1, eps=eps, unbiased=unbiased)
     ok = head_ok.all(-1) if batch.head_nan_policy == "propagate" else head_ok.any(-1)
-    summed = (normed * batch.reward_weights).sum(-1)
+    summed = (normed * batch.weights).sum(-1)
+    if not batch_norm:
+        return _sample_result(summed, ok, batch)
     flat, flat_ok = summed.reshape(-1), ok.reshape(-1)
     adv = (summed - masked_mean(flat, flat_ok, 0)) / (masked_std(flat, flat_ok, 0, unbiased) + eps)
     return _sample_result(adv, ok, batch)
@@ -202,15 +206,15 @@ def win_rate(batch: GroupBatch, *, eps: float = 1e-8, unbiased: bool = True) -> 
 
     preferences[p, i, j] = P(i beats j); ties count 0.5 and so do unreadable (NaN) verdicts.
     """
-    pref = batch.preferences.float()
-    pair_ok = batch.valid.unsqueeze(2) & batch.valid.unsqueeze(1)
+    pref = given(batch.preferences, "GroupBatch.preferences").float()
+    pair_ok = batch.mask.unsqueeze(2) & batch.mask.unsqueeze(1)
     pair_ok &= ~torch.eye(batch.group_size, dtype=torch.bool, device=pref.device)
     unreadable = torch.isnan(pref) & pair_ok
     pref = torch.where(unreadable, torch.full_like(pref, 0.5), pref)
     wins = torch.where(pair_ok, pref, torch.zeros_like(pref)).sum(-1)
-    n = batch.valid.sum(1, keepdim=True).float()
+    n = batch.mask.sum(1, keepdim=True).float()
     rate = wins / (n - 1).clamp_min(1)
-    ok = batch.valid & (n >= 2)
+    ok = batch.mask & (n >= 2)
     result = _sample_result(zscore(rate, ok, dim=1, eps=eps, unbiased=unbiased), ok, batch)
     result.metrics.update({"win_rate/unreadable_pairs": float(unreadable.sum()) / 2,
                            "win_rate/mean": float(rate[ok].mean()) if bool(ok.any()) else 0.0})
@@ -226,11 +230,11 @@ def _step_result(adv: Tensor, ok: Tensor, **metrics: float) -> AdvantageResult:
 
 
 def _step_inputs(batch: GroupBatch) -> tuple[Tensor, Tensor]:
-    r = batch.step_rewards.float()
-    return r, batch.step_mask & batch.usable(r)
+    r = given(batch.step_rewards, "GroupBatch.step_rewards").float()
+    return r, given(batch.step_mask, "GroupBatch.step_mask") & batch.usable(r)
 
 
-@ESTIMATORS.register("sibling", requires=("step_rewards",))
+@ESTIMATORS.register("sibling", requires=("step_rewards",), plan="branch_points")
 def sibling(batch: GroupBatch, *, eps: float = 1e-4, unbiased: bool = False) -> AdvantageResult:
     """TempFlow-GRPO: z-score among the k siblings of each branch point.
 
@@ -240,7 +244,7 @@ def sibling(batch: GroupBatch, *, eps: float = 1e-4, unbiased: bool = False) -> 
     return _step_result(zscore(r, ok, dim=1, eps=eps, unbiased=unbiased), ok)
 
 
-@ESTIMATORS.register("turning_point", requires=("step_rewards",))
+@ESTIMATORS.register("turning_point", requires=("step_rewards",), plan="probes", final_reward_step=True)
 def turning_point(batch: GroupBatch, *, eta: float = 1.0, balance: bool = True, balance_by: str = "trend",
                   eps: float = 1e-4, unbiased: bool = False) -> AdvantageResult:
     """TP-GRPO: incremental step rewards, with the aggregated long-term reward at turning points.
@@ -287,7 +291,7 @@ def turning_point(batch: GroupBatch, *, eta: float = 1.0, balance: bool = True, 
                                     "turning_point/dropped_by_balance": float(dropped)})
 
 
-@ESTIMATORS.register("value_anchored", requires=("step_rewards",))
+@ESTIMATORS.register("value_anchored", requires=("step_rewards",), plan="probes")
 def value_anchored(batch: GroupBatch, *, gamma: float = 0.95, k: float = 0.1, absolute_steps: int = 5,
                    eps: float = 1e-4, unbiased: bool = False) -> AdvantageResult:
     """VGPO (UNVERIFIED constants and form): discounted step values with a value-anchored absolute term.
@@ -311,7 +315,7 @@ def value_anchored(batch: GroupBatch, *, gamma: float = 0.95, k: float = 0.1, ab
     return _step_result(omega * (relative + absolute), ok)
 
 
-@ESTIMATORS.register("tree_depth", requires=("tree",))
+@ESTIMATORS.register("tree_depth", requires=("tree",), plan="tree")
 def tree_depth(batch: GroupBatch, *, fusion: str = "mean", alpha: float = 1.0, eps: float = 1e-8,
                unbiased: bool = True, min_std: float = 1e-6) -> AdvantageResult:
     """BranchGRPO: fuse leaf rewards up the tree, then z-score per depth within each tree.
@@ -320,7 +324,7 @@ def tree_depth(batch: GroupBatch, *, fusion: str = "mean", alpha: float = 1.0, e
     softmax(alpha * edge log-prob)-weighted value of its children (needs tree.edge_logp).
     Depths with one node or std < min_std get advantage 0. Output: one advantage per node, [P, N].
     """
-    tree = batch.tree
+    tree = given(batch.tree, "GroupBatch.tree")
     P, N = tree.parent.shape
     dev = tree.parent.device
     leaf_r = batch.scalar_rewards()
@@ -330,14 +334,18 @@ def tree_depth(batch: GroupBatch, *, fusion: str = "mean", alpha: float = 1.0, e
     # 22.3s is not 22.3, and the per-depth z-score blows that ulp up to +-1).
     shift = torch.where(leaf_ok, leaf_r, torch.full_like(leaf_r, -math.inf)).amax(dim=1, keepdim=True)
     leaf_r = leaf_r - torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
-    flat = lambda idx: (idx + torch.arange(P, device=idx.device).unsqueeze(1) * N).reshape(-1)  # noqa: E731
+
+    def flat(idx: Tensor) -> Tensor:
+        return (idx + torch.arange(P, device=idx.device).unsqueeze(1) * N).reshape(-1)
+
     value = torch.zeros(P * N, device=dev)
     count = torch.zeros(P * N, device=dev)
     value.index_put_((flat(tree.leaf_index)[leaf_ok.reshape(-1)],), leaf_r.reshape(-1)[leaf_ok.reshape(-1)], accumulate=True)
     count.index_put_((flat(tree.leaf_index)[leaf_ok.reshape(-1)],), torch.ones(int(leaf_ok.sum()), device=dev), accumulate=True)
     parent_flat = flat(tree.parent.clamp_min(0))
     depth = tree.depth.reshape(-1)
-    child_of = (tree.parent.reshape(-1) >= 0) & tree.node_valid.reshape(-1)
+    node_valid = given(tree.node_valid, "tree.node_valid")
+    child_of = (tree.parent.reshape(-1) >= 0) & node_valid.reshape(-1)
     if fusion == "softmax":
         if tree.edge_logp is None:
             raise ValueError("tree.edge_logp: fusion 'softmax' needs the edge log-probs")
@@ -359,7 +367,7 @@ def tree_depth(batch: GroupBatch, *, fusion: str = "mean", alpha: float = 1.0, e
             has = den > 0
             value = torch.where(has, num / den.clamp_min(1e-30), value)
             count = torch.where(has, torch.ones_like(count), count)
-    node_ok = (count > 0) & tree.node_valid.reshape(-1)
+    node_ok = (count > 0) & node_valid.reshape(-1)
     node_value = value / count.clamp_min(1) if fusion == "mean" else value
     # z-score per (tree, depth)
     key = (torch.arange(P, device=dev).unsqueeze(1) * (int(depth.max()) + 1) + tree.depth).reshape(-1)
@@ -376,34 +384,12 @@ def tree_depth(batch: GroupBatch, *, fusion: str = "mean", alpha: float = 1.0, e
                            {"tree/degenerate_depth_frac": float((~spread & (n > 0)).sum() / (n > 0).sum().clamp_min(1))})
 
 
-# --- the advantage stage ------------------------------------------------------------------------
-
-
-def compute_advantages(batch: GroupBatch, config: AdvantageConfig | None = None) -> AdvantageResult:
-    """Run the configured estimator and transforms on a batch, and measure what happened."""
-    from .transforms import TRANSFORMS  # transforms.py registers after this module's estimators
-
-    config = config or AdvantageConfig()
-    if batch.head_nan_policy != config.head_nan_policy:
-        batch = replace(batch, head_nan_policy=config.head_nan_policy)
-    entry = ESTIMATORS.get(config.estimator.name)
-    for need in entry.requires:
-        if getattr(batch, need) is None:
-            raise ValueError(f"advantage estimator '{entry.name}' needs GroupBatch.{need}, which is missing")
-    result = entry.fn(batch, **config.estimator.settings)
-    for spec in config.transforms:
-        result = TRANSFORMS.get(spec.name).fn(result, batch, **spec.settings)
-    result.metrics.update(reward_metrics(batch))
-    result.metrics.update(advantage_metrics(result))
-    return result
-
-
 def reward_metrics(batch: GroupBatch) -> dict[str, float]:
     """Reward mean / std per head and combined, NaN count, and the fraction of zero-spread groups."""
     out: dict[str, float] = {}
     if batch.rewards is not None:
         heads = batch.head_rewards().float()
-        for k, name in enumerate(batch.reward_names):
+        for k, name in enumerate(given(batch.reward_names, "GroupBatch.reward_names")):
             h = heads[..., k]
             ok = batch.usable(h)
             out[f"rewards/{name}/mean"] = float(h[ok].mean()) if bool(ok.any()) else math.nan
@@ -412,12 +398,13 @@ def reward_metrics(batch: GroupBatch) -> dict[str, float]:
         ok = batch.usable(r)
         out["reward_mean"] = float(r[ok].mean()) if bool(ok.any()) else math.nan
         out["reward_std"] = float(r[ok].std(unbiased=False)) if bool(ok.any()) else math.nan
-        out["rewards/nan_count"] = float((batch.valid & ~torch.isfinite(r)).sum())
+        out["rewards/nan_count"] = float((batch.mask & ~torch.isfinite(r)).sum())
         has = masked_count(ok, 1).squeeze(1) > 0
         flat = masked_std(r, ok, dim=1, unbiased=False).squeeze(1) == 0
         out["zero_std_frac"] = float((flat & has).sum() / has.sum().clamp_min(1))
     if batch.step_rewards is not None:
-        out["rewards/step_nan_count"] = float((batch.step_mask & ~torch.isfinite(batch.step_rewards)).sum())
+        step_mask, step_rewards = given(batch.step_mask, "step_mask"), given(batch.step_rewards, "step_rewards")
+        out["rewards/step_nan_count"] = float((step_mask & ~torch.isfinite(step_rewards)).sum())
     return out
 
 

@@ -7,7 +7,10 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .advantages import ESTIMATORS
+from .losses import AGGREGATIONS, BOUNDS, KL_ESTIMATORS, PRESETS, RATIOS, STEP_WEIGHTINGS, SURROGATES
 from .registry import Registry
+from .transforms import TRANSFORMS
 
 
 class StrictModel(BaseModel):
@@ -60,9 +63,6 @@ class AdvantageConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check_names(self) -> "AdvantageConfig":
-        from .advantages import ESTIMATORS
-        from .transforms import TRANSFORMS
-
         self.estimator.check(ESTIMATORS)
         for t in self.transforms:
             t.check(TRANSFORMS)
@@ -97,8 +97,6 @@ class LossConfig(StrictModel):
             return data
         base: dict[str, Any] = {}
         if data.get("preset") is not None:
-            from .losses import PRESETS
-
             name = data["preset"]
             if name not in PRESETS:
                 close = difflib.get_close_matches(str(name), list(PRESETS), n=1)
@@ -112,7 +110,7 @@ class LossConfig(StrictModel):
                 default = base.get(key)
                 if default is None:
                     field = cls.model_fields[key]
-                    default = field.default_factory().model_dump() if field.default_factory else {}
+                    default = field.get_default(call_default_factory=True).model_dump() if field.default_factory else {}
                     default = {"name": default["name"], **default["settings"]} if "settings" in default else default
                 elif isinstance(default, str):
                     default = {"name": default}
@@ -121,8 +119,6 @@ class LossConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check_names(self) -> "LossConfig":
-        from .losses import AGGREGATIONS, BOUNDS, KL_ESTIMATORS, RATIOS, STEP_WEIGHTINGS, SURROGATES
-
         self.ratio.check(RATIOS)
         self.bounds.check(BOUNDS)
         self.surrogate.check(SURROGATES)

@@ -9,10 +9,20 @@ gets advantage 0; the count is reported in the metrics.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Sequence
+from typing import Literal, Optional, Sequence, TypeVar
 
 import torch
 from torch import Tensor
+
+T = TypeVar("T")
+
+
+def given(value: Optional[T], what: str) -> T:
+    """`value`, which the caller's contract guarantees (a registry entry's `requires`, a `__post_init__`);
+    a clear error instead of an AttributeError on None if it is missing after all."""
+    if value is None:
+        raise ValueError(f"{what} is missing")
+    return value
 
 
 def _require(cond: bool, name: str, message: str) -> None:
@@ -101,6 +111,7 @@ class GroupBatch:
                  "a GroupBatch needs rewards, step_rewards or preferences")
         _require(isinstance(source, Tensor) and source.dim() >= 2, "rewards",
                  "expected a tensor with a [P, G, ...] shape")
+        source = given(source, "rewards")
         P, G = source.shape[:2]
         if self.rewards is not None:
             _require(self.rewards.dim() in (2, 3), "rewards",
@@ -136,12 +147,22 @@ class GroupBatch:
             self.tree.validate(P, G)
 
     @property
+    def mask(self) -> Tensor:
+        """`valid` [P, G], always set after construction."""
+        return given(self.valid, "GroupBatch.valid")
+
+    @property
+    def weights(self) -> Tensor:
+        """`reward_weights` [K], always set after construction."""
+        return given(self.reward_weights, "GroupBatch.reward_weights")
+
+    @property
     def num_groups(self) -> int:
-        return self.valid.shape[0]
+        return self.mask.shape[0]
 
     @property
     def group_size(self) -> int:
-        return self.valid.shape[1]
+        return self.mask.shape[1]
 
     @property
     def num_heads(self) -> int:
@@ -162,7 +183,7 @@ class GroupBatch:
         """
         nan_policy = nan_policy or self.head_nan_policy
         r = self.head_rewards().float()
-        w = self.reward_weights
+        w = self.weights
         if nan_policy == "propagate":
             return (r * w).sum(-1)
         if nan_policy == "ignore_head":
@@ -173,7 +194,7 @@ class GroupBatch:
 
     def usable(self, rewards: Tensor) -> Tensor:
         """Valid samples whose reward is a finite number, same shape as `rewards`."""
-        valid = self.valid
+        valid = self.mask
         while valid.dim() < rewards.dim():
             valid = valid.unsqueeze(-1)
         return valid & torch.isfinite(rewards)

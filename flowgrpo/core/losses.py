@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields, replace
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 
-from .config import LossConfig
+from .contracts import given
 from .registry import Registry
 
 RATIOS = Registry("ratio")
@@ -146,6 +146,16 @@ class LossContext:
     def adv(self) -> Tensor:
         return self.inputs.advantages
 
+    @property
+    def ratios(self) -> Tensor:
+        """The ratio part's output (set before bounds, surrogate and metrics run)."""
+        return given(self.ratio, "LossContext.ratio")
+
+    def need(self, name: str) -> Tensor:
+        """An optional LossInputs field that the running part `requires` (checked before any part runs)."""
+        value: Optional[Tensor] = getattr(self.inputs, name)
+        return given(value, f"LossInputs.{name}")
+
 
 @dataclass
 class LossOutput:
@@ -154,7 +164,7 @@ class LossOutput:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+def mean_over_mask(x: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, x, torch.zeros_like(x)).sum() / mask.sum().clamp_min(1)
 
 
@@ -194,8 +204,8 @@ def ratio_norm(ctx: LossContext) -> Tensor:
     The normalised log-ratio equals mean_d(noise * (mu - mu_old)): zero mean over the sampling noise
     and the same scale at every step. The bias term keeps its gradient (it is not detached).
     """
-    std = ctx.inputs.std
-    normed = std * (ctx.raw_log_ratio + ctx.inputs.mean_sqdist_old / (2 * std**2))
+    std = ctx.need("std")
+    normed = std * (ctx.raw_log_ratio + ctx.need("mean_sqdist_old") / (2 * std**2))
     return normed.clamp(-ctx.log_ratio_clamp, ctx.log_ratio_clamp).exp()
 
 
@@ -234,9 +244,9 @@ def dcpo(ctx: LossContext, *, eps_low: float = 0.16, eps_high: float = 0.2) -> t
 @SURROGATES.register("ppo_clip")
 def ppo_clip(ctx: LossContext, *, dual_clip: Optional[float] = None, delta: Optional[float] = None) -> Tensor:
     """max(-A r, -A clip(r, low, high)); `dual_clip` c caps the loss of A < 0 at -A c; `delta` caps r (two-sided)."""
-    r, a = ctx.ratio, ctx.adv
+    r, a = ctx.ratios, ctx.adv
     unclipped = -a * (r.clamp(max=delta) if delta is not None else r)
-    loss = torch.maximum(unclipped, -a * torch.clamp(r, ctx.low, ctx.high))
+    loss = torch.maximum(unclipped, -a * torch.clamp(r, ctx.low, ctx.high))  # type: ignore[arg-type]  # tensor or number
     if dual_clip is not None:
         loss = torch.where(a < 0, torch.minimum(loss, -a * dual_clip), loss)
     return loss
@@ -246,13 +256,13 @@ def ppo_clip(ctx: LossContext, *, dual_clip: Optional[float] = None, delta: Opti
 def sapo(ctx: LossContext, *, tau_pos: float = 1.0, tau_neg: float = 1.05) -> Tensor:
     """SAPO soft gate: -(4 / tau) sigmoid(tau (r - 1)) A; its gradient at r = 1 is the policy gradient."""
     tau = torch.where(ctx.adv > 0, torch.full_like(ctx.adv, tau_pos), torch.full_like(ctx.adv, tau_neg))
-    return -(4 / tau) * torch.sigmoid(tau * (ctx.ratio - 1)) * ctx.adv
+    return -(4 / tau) * torch.sigmoid(tau * (ctx.ratios - 1)) * ctx.adv
 
 
 @SURROGATES.register("cispo")
 def cispo(ctx: LossContext) -> Tensor:
     """CISPO: -sg(clip(r, low, high)) A log pi; clipped actions still get a gradient."""
-    weight = torch.clamp(ctx.ratio, ctx.low, ctx.high).detach()
+    weight = torch.clamp(ctx.ratios, ctx.low, ctx.high).detach()  # type: ignore[arg-type]  # tensor or number
     return -weight * ctx.adv * ctx.inputs.logp
 
 
@@ -274,21 +284,21 @@ def no_weighting(ctx: LossContext) -> float:
 @STEP_WEIGHTINGS.register("inv_dt", requires=("dt",))
 def inv_dt(ctx: LossContext) -> Tensor:
     """GRPO-Guard gradient reweighting: 1 / dt equalises the gradient scale across noise levels."""
-    return 1.0 / ctx.inputs.dt
+    return 1.0 / ctx.need("dt")
 
 
 @STEP_WEIGHTINGS.register("noise_aware", requires=("std",))
 def noise_aware(ctx: LossContext) -> Tensor:
     """TempFlow-GRPO: std_i / mean std over the batch's trained steps (weights average 1)."""
     mean_std = ctx.norm.std_sum / max(ctx.norm.num_tokens, 1.0)
-    return ctx.inputs.std / mean_std
+    return ctx.need("std") / mean_std
 
 
 # --- KL to the reference policy ------------------------------------------------------------------
 
 
 def _ref_gap(ctx: LossContext) -> Tensor:
-    return ctx.inputs.logp_ref - ctx.inputs.logp  # log(pi_ref / pi)
+    return ctx.need("logp_ref") - ctx.inputs.logp  # log(pi_ref / pi)
 
 
 @KL_ESTIMATORS.register("k1", requires=("logp_ref",))
@@ -319,8 +329,24 @@ def k3_plus(ctx: LossContext) -> Tensor:
 
 @KL_ESTIMATORS.register("gaussian", requires=("mean_sqdist_ref", "std"))
 def gaussian_kl(ctx: LossContext) -> Tensor:
-    """Closed-form KL of two Gaussian transitions with equal std: mean_d |mu - mu_ref|^2 / (2 std^2)."""
-    return ctx.inputs.mean_sqdist_ref / (2 * ctx.inputs.std**2)
+    """Closed-form KL of two Gaussian transitions with equal std: mean_d |mu - mu_ref|^2 / (2 std^2).
+
+    The exact per-dimension KL(N(mu, std^2) || N(mu_ref, std^2)) of one step, std the transition std
+    (Flow-GRPO SDE: std = std_dev_t * sqrt(dt)). Per step it is 1/dt times the `flow_grpo` form.
+    """
+    return ctx.need("mean_sqdist_ref") / (2 * ctx.need("std") ** 2)
+
+
+@KL_ESTIMATORS.register("flow_grpo", requires=("mean_sqdist_ref", "std", "dt"))
+def flow_grpo_kl(ctx: LossContext) -> Tensor:
+    """Flow-GRPO's KL: mean_d |mu - mu_ref|^2 / (2 std_dev_t^2), std_dev_t = std / sqrt(dt).
+
+    yifan123/flow_grpo scripts/train_sd3.py divides by the kernel's noise level std_dev_t =
+    a*sqrt(sigma/(1-sigma)) (sigmas[1] in the denominator at sigma = 1), not by the transition variance
+    std_dev_t^2 * dt, so it equals the exact `gaussian` KL times dt. Published betas (Flow-GRPO 0.04 /
+    0.01, GRPO-Guard, ...) are on this scale. For DDIM edges dt is 1 and both forms coincide.
+    """
+    return ctx.need("mean_sqdist_ref") * ctx.need("dt") / (2 * ctx.need("std") ** 2)
 
 
 # --- aggregation ---------------------------------------------------------------------------------
@@ -380,7 +406,7 @@ def balanced(values: Tensor, ctx: LossContext) -> Tensor:
 
 # --- the loss ------------------------------------------------------------------------------------
 
-PRESETS: dict[str, dict] = {
+PRESETS: dict[str, dict[str, Any]] = {
     # named like TRL's `loss_type`, so numbers can be cross-checked against TRL
     "grpo": {"bounds": {"name": "symmetric", "eps": 0.2}, "aggregation": "seq_mean_token_mean"},
     "bnpo": {"bounds": {"name": "symmetric", "eps": 0.2}, "aggregation": "local_token_mean"},
@@ -393,65 +419,13 @@ PRESETS: dict[str, dict] = {
     "cispo": {"surrogate": "cispo", "bounds": {"name": "asymmetric", "eps_low": 1.0, "eps_high": 4.0},
               "aggregation": "token_mean"},
     # image policies
+    # image policies: Flow-GRPO's KL form (beta / (2 std_dev_t^2), see flow_grpo_kl) at its published betas
     "flow_grpo": {"bounds": {"name": "symmetric", "eps": 1e-4}, "aggregation": "token_mean",
-                  "kl": {"estimator": "gaussian", "coef": 0.0}},
+                  "kl": {"estimator": "flow_grpo", "coef": 0.0}},
     "grpo_guard": {"ratio": "ratio_norm", "bounds": {"name": "symmetric", "eps": 1e-4},
                    "aggregation": "token_mean", "step_weighting": "inv_dt",
-                   "kl": {"estimator": "gaussian", "coef": 0.0}},
+                   "kl": {"estimator": "flow_grpo", "coef": 0.0}},
 }
-
-
-def _check_requires(entry, inputs: LossInputs, slot: str) -> None:
-    for need in entry.requires:
-        if getattr(inputs, need) is None:
-            raise ValueError(f"{slot} '{entry.name}' needs LossInputs.{need}, which is missing")
-
-
-def policy_loss(inputs: LossInputs, config: Optional[LossConfig] = None,
-                norm: Optional[LossNormalizer] = None) -> LossOutput:
-    """The configured policy loss of one (micro-)batch, its per-action terms and metrics.
-
-    Pass the `norm` of the whole optimisation batch when the batch is split into micro-batches.
-    """
-    config = config or LossConfig()
-    norm = norm or LossNormalizer.from_inputs(inputs)
-    parts = {
-        "ratio": RATIOS.get(config.ratio.name),
-        "bounds": BOUNDS.get(config.bounds.name),
-        "surrogate": SURROGATES.get(config.surrogate.name),
-        "step weighting": STEP_WEIGHTINGS.get(config.step_weighting.name),
-        "aggregation": AGGREGATIONS.get(config.aggregation.name),
-    }
-    kl_entry = KL_ESTIMATORS.get(config.kl.estimator) if config.kl.coef else None
-    for slot, entry in parts.items():
-        _check_requires(entry, inputs, slot)
-    if kl_entry is not None:
-        _check_requires(kl_entry, inputs, "KL estimator")
-    if config.entropy_coef and inputs.entropy is None:
-        raise ValueError("entropy_coef is set but LossInputs.entropy is missing")
-
-    ctx = LossContext(inputs, norm, inputs.logp.float() - inputs.logp_old.float(), config.log_ratio_clamp)
-    ctx.ratio = parts["ratio"].fn(ctx, **config.ratio.settings)
-    ctx.low, ctx.high = parts["bounds"].fn(ctx, **config.bounds.settings)
-    per_action = parts["surrogate"].fn(ctx, **config.surrogate.settings)
-    weight = parts["step weighting"].fn(ctx, **config.step_weighting.settings)
-    if inputs.sample_weight is not None:
-        weight = inputs.sample_weight * weight
-    per_action = per_action * weight
-    aggregate = lambda v: parts["aggregation"].fn(v, ctx, **config.aggregation.settings)  # noqa: E731
-    metrics = {"loss/policy": float(aggregate(per_action.detach()))}
-    m = inputs.mask
-    if kl_entry is not None:
-        kl = kl_entry.fn(ctx)
-        per_action = per_action + config.kl.coef * kl
-        metrics["kl/ref_mean"] = float(_masked_mean(kl.detach(), m))
-    if config.entropy_coef:
-        per_action = per_action - config.entropy_coef * inputs.entropy
-        metrics["entropy/mean"] = float(_masked_mean(inputs.entropy.detach(), m))
-    loss = aggregate(per_action)
-    metrics.update(ratio_metrics(ctx))
-    metrics["loss/total"] = float(loss.detach())
-    return LossOutput(loss, torch.where(m, per_action, torch.zeros_like(per_action)), metrics)
 
 
 @torch.no_grad()
@@ -460,7 +434,7 @@ def ratio_metrics(ctx: LossContext) -> dict[str, float]:
     m = ctx.inputs.mask
     if not bool(m.any()):
         return {}
-    r = ctx.ratio.detach()
+    r = ctx.ratios.detach()
     a = ctx.adv.expand_as(r)
     low = torch.as_tensor(ctx.low, dtype=r.dtype).expand_as(r)
     high = torch.as_tensor(ctx.high, dtype=r.dtype).expand_as(r)
@@ -468,11 +442,11 @@ def ratio_metrics(ctx: LossContext) -> dict[str, float]:
     clip_high = (a > 0) & (r > high)
     lr = ctx.raw_log_ratio.detach()
     return {
-        "clip/low_frac": float(_masked_mean(clip_low.float(), m)),
-        "clip/high_frac": float(_masked_mean(clip_high.float(), m)),
-        "clip/frac": float(_masked_mean((clip_low | clip_high).float(), m)),
+        "clip/low_frac": float(mean_over_mask(clip_low.float(), m)),
+        "clip/high_frac": float(mean_over_mask(clip_high.float(), m)),
+        "clip/frac": float(mean_over_mask((clip_low | clip_high).float(), m)),
         "ratio/min": float(r[m].min()),
         "ratio/mean": float(r[m].mean()),
         "ratio/max": float(r[m].max()),
-        "approx_kl": float(_masked_mean(0.5 * lr**2, m)),
+        "approx_kl": float(mean_over_mask(0.5 * lr**2, m)),
     }

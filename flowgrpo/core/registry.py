@@ -2,7 +2,9 @@
 
 Every entry is a plain function. Its keyword-only parameters are its *settings* (what a config may
 set); `requires` names the optional inputs it reads, so a missing input is reported before any
-work is done. Duplicate names raise; a typo gets the valid names and the closest match.
+work is done. An estimator that reads rewards only one rollout plan produces says so once here
+(`plan`, `final_reward_step`): the trainers' config checks and credit assignment read it from the entry.
+Duplicate names raise; a typo gets the valid names and the closest match.
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ from __future__ import annotations
 import difflib
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Optional, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class UnknownNameError(ValueError):
@@ -23,6 +27,8 @@ class Entry:
     fn: Callable[..., Any]
     requires: frozenset[str] = field(default_factory=frozenset)
     doc: str = ""
+    plan: Optional[str] = None  # the rollout plan whose rewards it reads (None: any plan's final rewards)
+    final_reward_step: bool = False  # per-step rewards end with the final sample's reward
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -56,12 +62,13 @@ class Registry:
         self.kind = kind
         self._entries: dict[str, Entry] = {}
 
-    def register(self, name: str, *, requires: Iterable[str] = ()) -> Callable:
-        def decorate(fn: Callable) -> Callable:
+    def register(self, name: str, *, requires: Iterable[str] = (), plan: Optional[str] = None,
+                 final_reward_step: bool = False) -> Callable[[F], F]:
+        def decorate(fn: F) -> F:
             if name in self._entries:
                 raise ValueError(f"{self.kind} '{name}' is already registered")
             doc = inspect.getdoc(fn) or ""
-            self._entries[name] = Entry(name, fn, frozenset(requires), doc.split("\n")[0])
+            self._entries[name] = Entry(name, fn, frozenset(requires), doc.split("\n")[0], plan, final_reward_step)
             return fn
 
         return decorate

@@ -5,10 +5,13 @@
 
 Modules: config (typed config, cross checks), data (prompt sets), model (adapter + LoRA / full, KL
 reference), rewards (async scoring), credit (rewards -> per-edge advantages), objectives (edge loss),
-nft (DiffusionNFT objective), adversarial (Adv-GRPO discriminator), distributed, artifacts, trainer.
+methods (the method plug-in registry): grpo (clipped objective), nft (DiffusionNFT objective), adversarial
+(Adv-GRPO discriminator alternation); artifacts (grids, plots, trackers), trainer (rollout and scoring;
+the loop itself is flowgrpo.run).
 """
 
 from .config import DEFAULTS, T2IConfig, load_t2i_config
-from .trainer import OnPolicyRatioWarning, T2ITrainer, train_t2i
+from ..run.ratio_check import OnPolicyRatioWarning
+from .trainer import T2ITrainer, train_t2i
 
 __all__ = ["DEFAULTS", "OnPolicyRatioWarning", "T2IConfig", "T2ITrainer", "load_t2i_config", "train_t2i"]

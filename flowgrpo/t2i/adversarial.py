@@ -1,6 +1,6 @@
-"""Adv-GRPO's discriminator step: the trained reward learns reference images (real) from rollouts (fake).
+"""Adv-GRPO (the `adversarial` method wrapper): a trained reward learns reference images (real) from rollouts (fake).
 
-The trainer builds one `Discriminator` around the scorer named by `adversarial.reward` (it must be
+`AdversarialAlternation` wraps the configured method and builds one `Discriminator` around the scorer named by `adversarial.reward` (it must be
 trainable: `hinge_loss(real, fake) -> (loss, metrics)`, `trainable_parameters()` and
 `state_tensors()` / `load_state_tensors()`, e.g. `dino_discriminator`). On iterations with (it + 1) % d_times != 0 the discriminator trains (one Adam
 step on the hinge loss, the iteration's rollout images as fakes, as many references drawn at
@@ -13,12 +13,19 @@ on the CPU. Under data parallelism the head gradients are averaged over ranks be
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ContextManager
 
 import torch
 
 from ..config import ConfigError
+from ..run.loop import CheckpointParts
 from .config import AdversarialConfig
+from .credit import assign_credit
+from .methods import WRAPPERS, Method, ScoredRollout
+
+if TYPE_CHECKING:
+    from ..checkpoint import Checkpoint
+    from .trainer import T2ITrainer
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 SYNTHETIC_REFERENCES = 64  # images made by reference_generator
@@ -138,3 +145,41 @@ class Discriminator:
         self.scorer.load_state_tensors(scorer)
         self.generator.set_state(tensors["reference_generator"].cpu().to(torch.uint8))
         self.updates = int(tensors["updates"])
+
+
+@WRAPPERS.register("adversarial")
+class AdversarialAlternation(Method):
+    """On discriminator iterations the discriminator trains on the rollout images and the policy does not
+    (its credit metrics are still logged); on the others the wrapped method updates the policy."""
+
+    needs_images = True
+
+    def __init__(self, trainer: T2ITrainer, inner: Method) -> None:
+        super().__init__(trainer)
+        self.inner = inner
+        cfg = trainer.cfg
+        self.discriminator = Discriminator(trainer.rewards.scorer(cfg.adversarial.reward), cfg.adversarial,
+                                           (cfg.sampler.height, cfg.sampler.width), cfg.seed)
+
+    def rollout_policy(self) -> ContextManager[Any]:
+        return self.inner.rollout_policy()
+
+    def update(self, rollout: ScoredRollout, record: dict[str, Any]) -> None:
+        t = self.trainer
+        if self.discriminator.trains_at(t.step):
+            record.update(self.discriminator.update(rollout.images, rollout.batch_prompts, t.cfg.group_size))
+            record["adversarial/policy_update"] = 0
+            record.update(assign_credit(rollout.global_tree, rollout.leaf_values, rollout.probe_values,
+                                        rollout.preferences, t.cfg, t.step).metrics)
+        else:
+            self.inner.update(rollout, record)
+            record["adversarial/policy_update"] = 1
+
+    def checkpoint_parts(self, parts: CheckpointParts) -> None:
+        self.inner.checkpoint_parts(parts)
+        parts.tensors["discriminator"] = self.discriminator.state_tensors()
+        parts.optimizers["discriminator"] = self.discriminator.optimizer
+
+    def restore(self, ckpt: Checkpoint) -> None:
+        self.inner.restore(ckpt)
+        self.discriminator.load_state_tensors(ckpt.tensors["discriminator"])

@@ -75,10 +75,6 @@ class Trackers:
             self.wandb = wandb.init(project=cfg.artifacts.wandb_project, config=cfg.model_dump(mode="json"),
                                     dir=str(out))
 
-    @classmethod
-    def off(cls) -> "Trackers":
-        return cls()
-
     def log(self, record: dict[str, Any], step: int) -> None:
         scalars = {k: float(v) for k, v in record.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))}

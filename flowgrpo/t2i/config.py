@@ -15,7 +15,7 @@ from ..config import load_config, output_dir_problem
 from ..guards import GuardConfig
 from ..core import AdvantageConfig, LossConfig, PartSpec, StrictModel
 from ..core.advantages import ESTIMATORS
-from ..text.config import CheckpointConfig, OptimConfig, RatioCheckConfig
+from ..run.config import CheckpointConfig, EMAConfig, OptimConfig, RatioCheckConfig
 from pipelines.plans import PLANS
 from pipelines.sampler import SamplerConfig
 
@@ -25,8 +25,6 @@ DEFAULTS: dict[str, Any] = {
     "optim": {"lr": 3e-4, "max_grad_norm": 1.0},
 }
 
-# Estimators whose advantages are per step ([P, G, T]) and the rollout plan each needs.
-STEP_ESTIMATOR_PLANS = {"turning_point": "probes", "value_anchored": "probes", "sibling": "branch_points"}
 # Loss parts that treat a row as a sequence: an image action (one transition) is its own row here.
 SEQUENCE_PARTS = {"sequence", "sequence_token"}
 
@@ -67,7 +65,6 @@ class DataConfig(StrictModel):
     eval_prompts: Optional[list[str]] = None
     eval_path: Optional[str] = None
     shuffle: bool = True
-    negative_prompt: str = ""
 
     @model_validator(mode="after")
     def _one(self) -> "DataConfig":
@@ -95,6 +92,11 @@ class EdgeConfig(StrictModel):
     width_pruning: Optional[float] = None      # BranchGRPO: keep ratio of the last split's children
     width_pruning_mode: Literal[1, 2] = 1
     drop_zero_advantage: bool = True           # edges with A = 0 add no gradient (unless KL is on)
+    # DanceGRPO / Pref-GRPO: each sample trains its own random int(fraction * n) of the plan's n trained
+    # steps (an independent permutation per sample, from seed and iteration); exclude_last drops the
+    # last denoising step from n first (DanceGRPO's [:, :-1]).
+    per_sample_fraction: Optional[float] = Field(None, gt=0, le=1)
+    exclude_last: bool = False
 
 
 class TrainConfig(StrictModel):
@@ -102,12 +104,6 @@ class TrainConfig(StrictModel):
     mini_batches: int = Field(1, ge=1)        # optimizer steps per pass, each with one global normaliser
     micro_batch_size: int = Field(16, ge=1)   # edges (or NFT samples) per forward / backward
     shuffle: bool = True
-
-
-class EMAConfig(StrictModel):
-    enabled: bool = True
-    decay: float = Field(0.9, ge=0, le=1)
-    update_every: int = Field(1, ge=1)        # optimizer steps between EMA updates
 
 
 class NFTConfig(StrictModel):
@@ -205,18 +201,27 @@ class T2IConfig(StrictModel):
                              f"rollout_prompts ({self.rollout_prompts})")
         est = self.advantage.estimator.name
         plan = self.plan.name
-        needs = STEP_ESTIMATOR_PLANS.get(est)
-        if needs and plan != needs:
-            raise ValueError(f"advantage estimator '{est}' needs per-step rewards from the '{needs}' plan, "
-                             f"not '{plan}'")
-        if plan == "tree" and est != "tree_depth" and self.method == "grpo":
-            raise ValueError("plan 'tree' shares edges between samples: it needs the node-level estimator "
-                             f"'tree_depth', not '{est}'")
-        if plan in ("branch_points", "probes") and not needs and self.method == "grpo":
-            raise ValueError(f"plan '{plan}' trains on probe / side-branch rewards: use estimator "
-                             f"{[k for k, v in STEP_ESTIMATOR_PLANS.items() if v == plan]}")
+        needs = ESTIMATORS.get(est)  # the plan an estimator reads is declared where it is registered
+        level = "per-step rewards" if "step_rewards" in needs.requires else "node rewards"
+        if needs.plan and plan != needs.plan:
+            raise ValueError(f"advantage estimator '{est}' needs {level} from the '{needs.plan}' plan, not '{plan}'")
+        readers = [n for n in ESTIMATORS.names() if ESTIMATORS.get(n).plan == plan]
+        if readers and needs.plan != plan and self.method == "grpo":
+            kind = "node-level" if plan == "tree" else "per-step"
+            raise ValueError(f"plan '{plan}' needs the {kind} estimator {' or '.join(map(repr, readers))}, "
+                             f"not '{est}'")
         if (self.edges.depth_pruning or self.edges.width_pruning) and plan != "tree":
             raise ValueError("edges: depth / width pruning are BranchGRPO options for the 'tree' plan")
+        if self.plan.settings.get("post_compress") is not None and self.sampler.schedule.name != "time_shift":
+            raise ValueError("plan.post_compress rebuilds the tail of the time_shift grid (MixGRPO-Flash): set "
+                             "sampler.schedule {name: time_shift, shift: ...}")
+        if self.edges.exclude_last and self.edges.per_sample_fraction is None:
+            raise ValueError("edges.exclude_last belongs to the per-sample step subsets: set per_sample_fraction")
+        if self.edges.per_sample_fraction is not None and (needs.plan or plan not in ("full_sde", "window")
+                                                           or est == "tree_depth" or self.method != "grpo"):
+            raise ValueError("edges.per_sample_fraction picks steps per final sample: it needs method grpo, a "
+                             f"chain plan (full_sde, window) and a sample-level estimator, not plan '{plan}' "
+                             f"with estimator '{est}'")
         for part in ("ratio", "aggregation"):
             if getattr(self.loss, part).name in SEQUENCE_PARTS:
                 raise ValueError(f"loss.{part} '{getattr(self.loss, part).name}' treats a row as a sequence of "
@@ -230,7 +235,6 @@ class T2IConfig(StrictModel):
                 raise ValueError("method 'nft' is CFG-free: set sampler.cfg_mode none")
         if self.adversarial.enabled and self.adversarial.reward not in labels:
             raise ValueError(f"adversarial.reward '{self.adversarial.reward}' is not among rewards {labels}")
-        ESTIMATORS.get(est)
         return self
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ..core import GroupBatch, compute_advantages
-from ..core.advantages import reward_metrics
+from ..core.advantages import ESTIMATORS, reward_metrics
 from .config import T2IConfig
 
 
@@ -40,19 +40,19 @@ def assign_credit(tree, leaf_values: Tensor, probe_values: Optional[Tensor], pre
                   cfg: T2IConfig, iteration: int) -> Credit:
     P, L = tree.leaves.shape
     K = leaf_values.shape[-1]
-    est = cfg.advantage.estimator.name
+    needs = ESTIMATORS.get(cfg.advantage.estimator.name)  # which rewards it reads, declared where it is registered
     base = dict(rewards=leaf_values.view(P, L, K), reward_weights=[r.weight for r in cfg.rewards],
                 reward_names=[r.label for r in cfg.rewards], head_nan_policy=cfg.advantage.head_nan_policy)
     N = tree.num_nodes
     node_adv = torch.full((N,), float("nan"))
     node_w = torch.zeros(N)
 
-    if est in ("turning_point", "value_anchored", "sibling"):
+    if "step_rewards" in needs.requires:
         plain = GroupBatch(**base)
         node_r = torch.full((N,), float("nan"))
         if probe_values is not None and tree.probe_nodes.numel():
             node_r[tree.probe_nodes] = _scalar(probe_values, plain)
-        if est == "sibling":
+        if needs.plan == "branch_points":
             side = tree.side_children()                            # [S, k, T]
             S, k, T = side.shape
             side = side.view(P, S // P * k, T) if S else side.view(P, 0, T)
@@ -66,7 +66,7 @@ def assign_credit(tree, leaf_values: Tensor, probe_values: Optional[Tensor], pre
             chain = tree.ancestors(tree.leaves)                    # [P, L, T + 1]
             end = int(tree.depth[tree.probe_nodes].max()) + 1
             along = node_r[chain[..., :end]]
-            if est == "turning_point":                             # R_end: ODE from depth `end` = the final image
+            if needs.final_reward_step:                            # R_end: ODE from depth `end` = the final image
                 along = torch.cat([along, plain.scalar_rewards().unsqueeze(-1)], -1)
             batch = GroupBatch(**base, step_rewards=along)
             result = compute_advantages(batch, cfg.advantage)
@@ -74,7 +74,7 @@ def assign_credit(tree, leaf_values: Tensor, probe_values: Optional[Tensor], pre
         ok = edge_nodes >= 0
         node_adv[edge_nodes[ok]] = result.advantages[ok].float()
         node_w[edge_nodes[ok]] = result.sample_weight[ok].float()
-    elif est == "tree_depth":
+    elif "tree" in needs.requires:
         structure, local = tree.tree_structure()
         result = compute_advantages(GroupBatch(**base, tree=structure), cfg.advantage)
         node_adv = result.advantages[tree.prompt, local].float()
@@ -90,7 +90,7 @@ def assign_credit(tree, leaf_values: Tensor, probe_values: Optional[Tensor], pre
 
     keep = tree.edge_trained & (node_w > 0) & torch.isfinite(node_adv)
     metrics = dict(result.metrics)
-    if est == "tree_depth":
+    if "tree" in needs.requires:
         from pipelines.edge_selection import depth_pruning, width_pruning
 
         edges_cfg = cfg.edges
@@ -99,6 +99,12 @@ def assign_credit(tree, leaf_values: Tensor, probe_values: Optional[Tensor], pre
         if edges_cfg.width_pruning:
             keep &= width_pruning(tree, torch.nan_to_num(node_adv), edges_cfg.width_pruning,
                                   edges_cfg.width_pruning_mode)
+    if cfg.edges.per_sample_fraction is not None:
+        from pipelines.edge_selection import per_sample_steps
+
+        # the same draw on every rank and after a resume: it depends on (seed, iteration) only
+        gen = torch.Generator().manual_seed((cfg.seed * 1_000_003 + iteration) * 7_919 + 17)
+        keep &= per_sample_steps(tree, cfg.edges.per_sample_fraction, gen, cfg.edges.exclude_last)
     if cfg.edges.drop_zero_advantage and cfg.loss.kl.coef == 0:
         keep &= node_adv != 0
     edges = keep.nonzero().squeeze(1)

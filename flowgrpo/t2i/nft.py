@@ -1,22 +1,38 @@
-"""DiffusionNFT: the forward-process objective, and the old policy's soft update.
+"""method: nft - DiffusionNFT: the forward-process objective, and the old policy's soft update.
 
 Rollouts come from the old policy (LoRA adapter "old") with any sampler; only clean samples x0 are kept.
 For a sample with optimality probability r in [0, 1] (the `nft_optimality` transform of its advantage)
 and a noised x_t = (1 - t) x0 + t eps:
     v+ = beta v_theta + (1 - beta) v_old         v- = (1 + beta) v_old - beta v_theta
     L  = adv_max * mean_batch( r * L(v+) / beta + (1 - r) * L(v-) / beta ) + kl_coef * |v_theta - v_ref|^2
-where L(v) = mean|x0_hat(v) - x0|^2 / sg(mean|x0_hat(v) - x0|), x0_hat(v) = x_t - t v (adaptive weighting).
+where L(v) = mean|x0_hat(v) - x0|^2 / sg(max(mean|x0_hat(v) - x0|, 1e-5)), x0_hat(v) = x_t - t v (adaptive
+weighting; the weight in float64, floored at 1e-5, as NVlabs/DiffusionNFT scripts/train_nft_sd3.py).
 """
 
 from __future__ import annotations
 
+import math
+from typing import TYPE_CHECKING, Any, ContextManager
+
 import torch
 from torch import Tensor
+
+from ..config import ConfigError
+from ..core import TRANSFORMS, GroupBatch, compute_advantages
+from ..run.loop import CheckpointParts
+from .methods import METHODS, Method, ScoredRollout
+from .model import active_lora
+
+if TYPE_CHECKING:
+    from ..checkpoint import Checkpoint
+    from .config import T2IConfig
+    from .trainer import T2ITrainer
 
 
 def _adaptive_x0_loss(x0_hat: Tensor, x0: Tensor) -> Tensor:
     err = (x0_hat - x0).flatten(1)
-    return (err**2).mean(1) / err.abs().mean(1).detach().clamp_min(1e-6)
+    weight = err.detach().double().abs().mean(1).clamp_min(1e-5).float()
+    return (err**2).mean(1) / weight
 
 
 def nft_loss(v_theta: Tensor, v_old: Tensor, x_t: Tensor, x0: Tensor, t: Tensor, r: Tensor, *,
@@ -31,14 +47,18 @@ def nft_loss(v_theta: Tensor, v_old: Tensor, x_t: Tensor, x0: Tensor, t: Tensor,
     return adv_max * (r * loss_pos / beta + (1 - r) * loss_neg / beta)
 
 
-def old_decay(iteration: int, kind: str) -> float:
-    """lambda of theta_old <- lambda theta_old + (1 - lambda) theta, after `iteration` updates."""
+def old_decay(steps: int, kind: str) -> float:
+    """lambda of theta_old <- lambda theta_old + (1 - lambda) theta, after `steps` optimizer steps in all.
+
+    The release's return_decay(global_step, decay_type): global_step counts optimizer steps, this
+    epoch's included (decay types 1 = linear, 2 = delayed, 0 = on_policy).
+    """
     if kind == "on_policy":
         return 0.0
     if kind == "linear":
-        return min(0.001 * iteration, 0.5)
+        return min(0.001 * steps, 0.5)
     if kind == "delayed":  # the release's OCR schedule
-        return 0.0 if iteration < 75 else min(0.0075 * (iteration - 75), 0.999)
+        return 0.0 if steps < 75 else min(0.0075 * (steps - 75), 0.999)
     raise ValueError(f"nft.decay: expected on_policy, linear or delayed, got {kind!r}")
 
 
@@ -46,3 +66,107 @@ def old_decay(iteration: int, kind: str) -> float:
 def soft_update(old: list[Tensor], new: list[Tensor], decay: float) -> None:
     for o, n in zip(old, new):
         o.mul_(decay).add_(n.detach().to(o.dtype), alpha=1 - decay)
+
+
+@METHODS.register("nft")
+class NFTMethod(Method):
+    """DiffusionNFT: rollouts from the old policy, the forward-process objective on the clean samples (x0 = the
+    leaves), then the old policy's soft update. The old policy is a second LoRA adapter, starting equal."""
+
+    def __init__(self, trainer: T2ITrainer) -> None:
+        super().__init__(trainer)
+        lora = trainer.cfg.model.lora
+        adapter = trainer.adapter
+        adapter.add_lora(rank=lora.rank, alpha=lora.alpha, init=lora.init, target_modules=lora.target_modules,
+                         adapter_name="old")
+        adapter.denoiser.set_adapter("default")
+        for p in trainer.params:
+            p.requires_grad_(True)
+        self.old_params = adapter.lora_parameters("old")
+        for p in self.old_params:
+            p.requires_grad_(False)
+        soft_update(self.old_params, trainer.params, 0.0)
+
+    @staticmethod
+    def needs_reference(cfg: T2IConfig) -> bool:
+        return cfg.nft.kl_coef != 0
+
+    def rollout_policy(self) -> ContextManager[Any]:
+        return active_lora(self.trainer.adapter, "old")
+
+    def checkpoint_parts(self, parts: CheckpointParts) -> None:
+        parts.tensors["nft_old"] = {f"{i}": p.detach() for i, p in enumerate(self.old_params)}
+
+    def restore(self, ckpt: Checkpoint) -> None:
+        with torch.no_grad():
+            for i, p in enumerate(self.old_params):
+                p.copy_(ckpt.tensors["nft_old"][f"{i}"])
+
+    def optimality(self, rollout: ScoredRollout, record: dict[str, Any]) -> tuple[Tensor, Tensor]:
+        """(r, sample weight) of every sample, global order: advantages -> flowgrpo.core's nft_optimality."""
+        cfg = self.trainer.cfg
+        L = rollout.tree.leaves.shape[1]
+        values = rollout.leaf_values
+        batch = GroupBatch(rewards=values.view(-1, L, values.shape[-1]), reward_weights=[r.weight for r in cfg.rewards],
+                           reward_names=[r.label for r in cfg.rewards], head_nan_policy=cfg.advantage.head_nan_policy)
+        result = compute_advantages(batch, cfg.advantage)
+        record.update(result.metrics)
+        result = TRANSFORMS.get("nft_optimality").fn(result, batch, adv_clip_max=cfg.nft.adv_max)
+        return result.advantages.reshape(-1).float(), result.sample_weight.reshape(-1).float()
+
+    def update(self, rollout: ScoredRollout, record: dict[str, Any]) -> None:
+        t = self.trainer
+        cfg, nft, tree = t.cfg, t.cfg.nft, rollout.tree
+        L = tree.leaves.shape[1]
+        opt_r, weight = self.optimality(rollout, record)
+        mine, _ = t.dist.localize(torch.arange(opt_r.numel()), cfg.rollout_prompts * L)
+        weight, opt_r = weight[mine], opt_r[mine]  # this rank's samples, in local order
+        x0 = tree.leaf_latents().flatten(0, 1)
+        prompt_of = torch.arange(tree.num_prompts).repeat_interleave(L)
+        keep = (weight > 0).nonzero().squeeze(1)
+        schedule = tree.schedule
+        sig = schedule.sigmas.float() if hasattr(schedule, "sigmas") else None
+        if sig is None:
+            raise ConfigError("method 'nft' needs a flow-matching model (sigma schedule)")
+        n_t = max(1, int((len(sig) - 1) * nft.timestep_fraction))
+        embeds = t.adapter.encode_prompts(rollout.prompts)
+        counters = t.sampler.counters
+        metrics_sum, n_terms, backwards = 0.0, 0, 0
+        total = max(t.dist.sum(float(keep.numel())) * int(n_t), 1.0)
+        for epoch in range(cfg.train.inner_epochs):
+            g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + t.step * 1009 + epoch)
+            order = keep[torch.randperm(keep.numel(), generator=g)]
+            for mini in order.chunk(cfg.train.mini_batches) if keep.numel() else []:
+                for micro in mini.split(cfg.train.micro_batch_size):
+                    # each sample trains on n_t grid times, fresh noise every time
+                    times = torch.stack([torch.randperm(len(sig) - 1, generator=g)[:n_t] for _ in micro])
+                    for j in range(n_t):
+                        time_ = sig[times[:, j]]
+                        x_0 = x0[micro].float()
+                        eps = torch.randn(x_0.shape, generator=g).to(x_0.device)
+                        tt = time_.to(x_0.device).view(-1, 1, 1, 1)
+                        x_t = (1 - tt) * x_0 + tt * eps
+                        rows = embeds.index(prompt_of[micro])
+                        with torch.no_grad(), active_lora(t.adapter, "old") as old:
+                            v_old = old.model_output(x_t, time_, rows, cfg.sampler.guidance_scale, "none")
+                        v = t.adapter.model_output(x_t, time_, rows, cfg.sampler.guidance_scale, "none")
+                        counters.nfe_nograd += micro.numel()
+                        counters.nfe_grad += micro.numel()
+                        per = nft_loss(v, v_old, x_t, x_0, time_, opt_r[micro].to(v.device), beta=nft.beta,
+                                       adv_max=nft.adv_max)
+                        loss = per.sum() / total * cfg.train.mini_batches
+                        if nft.kl_coef:
+                            with torch.no_grad(), t.reference() as ref:
+                                v_ref = ref.model_output(x_t, time_, rows, cfg.sampler.guidance_scale, "none")
+                            counters.nfe_nograd += micro.numel()
+                            loss = loss + nft.kl_coef * ((v - v_ref) ** 2).flatten(1).mean(1).sum() / total
+                        loss.backward()
+                        backwards += 1
+                        metrics_sum += float(per.detach().sum())
+                        n_terms += micro.numel()
+                t.optimizer_step()
+        decay = old_decay(t.optimizer_step.total, nft.decay)  # optimizer steps so far, as the release's global_step
+        soft_update(self.old_params, t.params, decay)
+        record.update({"loss/policy": metrics_sum / max(n_terms, 1), "nft/old_decay": decay,
+                       "backward_passes": backwards,
+                       "nft/mean_r": float(opt_r[keep].mean()) if keep.numel() else math.nan})

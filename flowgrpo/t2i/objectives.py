@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from ..core import LossConfig, LossInputs, LossNormalizer, mean_sqdist, policy_loss
+from ..core.losses import KL_ESTIMATORS
 
 
 @dataclass
@@ -62,7 +63,8 @@ class EdgeObjective:
         self.loss = loss
         self.reference = reference
         self.needs_old_mean = loss.ratio.name == "ratio_norm"
-        self.kl_closed_form = loss.kl.coef != 0 and loss.kl.estimator == "gaussian"
+        # closed-form estimators (gaussian, flow_grpo) read the reference mean; k1-k3 its log-prob
+        self.kl_closed_form = loss.kl.coef != 0 and "mean_sqdist_ref" in KL_ESTIMATORS.get(loss.kl.estimator).requires
         self.kl_logp = loss.kl.coef != 0 and not self.kl_closed_form
 
     def __call__(self, adapter, tree, batch: EdgeBatch, prompts: list[str], norm: LossNormalizer):

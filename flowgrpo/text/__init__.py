@@ -7,14 +7,15 @@ Modules, one job each: config (typed config), data (JSONL / built-in tasks, chat
 models (tiny random Qwen2 + byte tokenizer, real models, LoRA, KL reference), generation
 (transformers generate -> Rollout), logprobs (micro-batched token log-probs), answers (math answer
 extraction and equivalence), rewards (registry, TRL-compatible user functions, scoring), bleu
-(batched sentence BLEU on token-id tensors), encoders (sentence embeddings for semantic similarity), optim
-(AdamW + schedule), trainer (the loop).
+(batched sentence BLEU on token-id tensors), encoders (sentence embeddings for semantic similarity), collect
+(generate + score + dynamic sampling), trainer (the update; the loop itself is flowgrpo.run).
 """
 
 from .config import DEFAULTS, TextConfig, load_text_config
 from .data import DataError
 from .rewards import REWARDS, RewardError
-from .trainer import OnPolicyRatioWarning, TextGRPOTrainer, train_text
+from ..run.ratio_check import OnPolicyRatioWarning
+from .trainer import TextGRPOTrainer, train_text
 
 __all__ = ["DEFAULTS", "REWARDS", "DataError", "OnPolicyRatioWarning", "RewardError", "TextConfig",
            "TextGRPOTrainer", "load_text_config", "train_text"]

@@ -15,6 +15,7 @@ from pydantic import Field, model_validator
 from ..config import load_config, output_dir_problem
 from ..core import AdvantageConfig, LossConfig, PartSpec, StrictModel
 from ..guards import GuardConfig
+from ..run.config import CheckpointConfig, OptimConfig, RatioCheckConfig
 
 # estimators whose advantage needs no other sample of the group
 GROUPLESS_ESTIMATORS = {"psr", "nsr", "w_reinforce"}
@@ -168,21 +169,10 @@ class RewardSpec(PartSpec):
         return self.alias or self.name.rsplit(":", 1)[-1]
 
 
-class OptimConfig(StrictModel):
-    lr: float = Field(1e-5, ge=0)
-    schedule: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    max_grad_norm: Optional[float] = 1.0      # None = no clipping (the norm is still logged)
-
-
 class TrainConfig(StrictModel):
     """How one generation batch (P x G sequences) is used."""
 
-    num_iterations: int = Field(1, ge=1)      # passes over each generation batch (TRL's mu)
+    inner_epochs: int = Field(1, ge=1)        # passes over each generation batch (TRL's num_iterations, mu)
     mini_batches: int = Field(1, ge=1)        # optimizer steps per pass (each with its own global normaliser)
     micro_batch_size: int = Field(16, ge=1)   # sequences per forward/backward (gradient accumulation)
     logprob_batch_size: Optional[int] = None  # sequences per no-grad log-prob pass (default micro_batch_size)
@@ -201,17 +191,10 @@ class DynamicSamplingConfig(StrictModel):
     min_std: float = 0.0                      # a group needs a reward std above this to stay
 
 
-class RatioCheckConfig(StrictModel):
-    """The live on-policy check: the first pass over a fresh batch must give ratio 1."""
-
-    enabled: bool = True
-    tolerance: float = 1e-4
-
-
 class TextRatioCheckConfig(RatioCheckConfig):
     """The text trainer's on-policy check.
 
-    When the old log-probs are needed anyway (num_iterations > 1 or mini_batches > 1), every sequence
+    When the old log-probs are needed anyway (inner_epochs > 1 or mini_batches > 1), every sequence
     of the first pass is checked against them. Otherwise (one update per batch: the old log-probs are
     the detached current ones, as in TRL) only `rows` sequences of the first micro-batch are
     re-scored without grad for the check, so it costs a small fraction of a forward pass
@@ -221,13 +204,6 @@ class TextRatioCheckConfig(RatioCheckConfig):
     """
 
     rows: Optional[int] = Field(2, ge=1)
-
-
-class CheckpointConfig(StrictModel):
-    every: int = Field(10, ge=0)              # updates between checkpoints; 0 = at the end (and on SIGINT / SIGTERM)
-    keep_last: int = Field(2, ge=1)
-    dir: Optional[str] = None                 # default: <output_dir>/checkpoints
-    save_final_model: bool = True             # save_pretrained() of the policy (and tokenizer) at the end
 
 
 class TextConfig(StrictModel):

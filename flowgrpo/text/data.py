@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
-import torch
 
 from .config import DataConfig
 
@@ -191,49 +190,3 @@ def load_prompts(cfg: DataConfig, tokenizer, *, context_length: Optional[int], m
         data.prompt_ids.append(ids)
         data.conversational.append(conv)
     return data
-
-
-# --- order --------------------------------------------------------------------------------------
-
-
-@dataclass
-class PromptSampler:
-    """Epochs over the rows, each a fresh permutation seeded by (seed, epoch); the state is two ints.
-
-    Independent of the global RNG, so the data order never depends on what else drew random numbers.
-    """
-
-    num_rows: int
-    seed: int
-    shuffle: bool = True
-    epoch: int = 0
-    position: int = 0
-    _order: Optional[list[int]] = field(default=None, repr=False)
-
-    def _perm(self) -> list[int]:
-        if self._order is None:
-            if self.shuffle:
-                g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-                self._order = torch.randperm(self.num_rows, generator=g).tolist()
-            else:
-                self._order = list(range(self.num_rows))
-        return self._order
-
-    def next(self, n: int) -> list[int]:
-        out = []
-        while len(out) < n:
-            if self.position >= self.num_rows:
-                self.epoch, self.position, self._order = self.epoch + 1, 0, None
-            take = min(n - len(out), self.num_rows - self.position)
-            out.extend(self._perm()[self.position:self.position + take])
-            self.position += take
-        return out
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position, "num_rows": self.num_rows}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        if state["num_rows"] != self.num_rows:
-            raise DataError(f"resume: the checkpoint's dataset had {state['num_rows']} rows, "
-                            f"this one has {self.num_rows}")
-        self.epoch, self.position, self._order = state["epoch"], state["position"], None

@@ -2,7 +2,7 @@
 
 Tokenizers are built from in-memory vocabularies (transformers >= 5 accepts them), so nothing is
 downloaded: a byte-level CLIP BPE with no merges (one token per byte) and a character T5 unigram.
-Sizes follow research/feasibility_cpu.md section 3: a 32 px image gives 16 x 16 latents.
+Sizes are those of a CPU test model: a 32 px image gives 16 x 16 latents.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Independent reference formulas for the flowgrpo.core tests.
 
-Everything here is plain numpy (float64) with explicit loops, written from the research notes
-(/work/shared/research/anchors_text_grpo.md Part 2, flow_methods.md sections 0-6), never by calling
-back into flowgrpo.core. "usable" = valid and finite, the NaN-as-missing convention of DESIGN.md.
+Everything here is plain numpy (float64) with explicit loops, written from the papers' formulas
+(GRPO-family text methods; Flow-GRPO and the flow methods after it), never by calling back into
+flowgrpo.core. "usable" = valid and finite, the NaN-as-missing convention (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -322,7 +322,7 @@ def sgn(x: float) -> int:
 
 
 def ref_turning_point_rewards(R, eta=1.0, balance=True, balance_by="trend"):
-    """TP-GRPO process rewards (flow_methods.md section 3), chain by chain.
+    """TP-GRPO process rewards (the TP-GRPO paper), chain by chain.
 
     R: [P, G, T+1] ODE-completed rewards, R[..., 0] = pure ODE, R[..., T] = final SDE sample.
     Returns (options, turning count before balancing). `options` lists every (step rewards [P, G, T],
@@ -453,7 +453,7 @@ def ref_tree_depth(parents, depths, leaf_of, rewards, fusion="mean", edge_logp=N
 
 
 def ref_policy_loss(inp: dict, cfg: dict, norm_from: dict | None = None) -> tuple[float, np.ndarray]:
-    """The policy loss of the notes (anchors_text_grpo.md 1.1.6, 1.2.3-1.2.5, 2.x; flow_methods.md 2, 4),
+    """The policy loss as the papers write it (PPO clip, DAPO, GSPO, SAPO, CISPO; Flow-GRPO, GRPO-Guard),
     action by action. `inp` holds float64 arrays [N, T] (advantages and sample_weight already [N, T]);
     `norm_from` is the whole batch the global normalisers are counted on (default: `inp`).
     Returns the scalar loss and the per-action terms (0 where the mask is False).
@@ -543,6 +543,8 @@ def ref_policy_loss(inp: dict, cfg: dict, norm_from: dict | None = None) -> tupl
             if kcoef:
                 if kname == "gaussian":
                     kl = inp["msd_ref"][i, t] / (2 * inp["std"][i, t] ** 2)
+                elif kname == "flow_grpo":  # divides by std_dev_t^2 = std^2 / dt
+                    kl = inp["msd_ref"][i, t] / (2 * inp["std"][i, t] ** 2 / inp["dt"][i, t])
                 else:
                     x = logp[i, t] - inp["logp_ref"][i, t]  # log pi - log pi_ref
                     kl = {"k1": x, "k2": 0.5 * x * x, "k3": math.exp(-x) + x - 1, "k3+": math.exp(-x) + x - 1}[kname]

@@ -1,5 +1,5 @@
-"""Sample-level advantage estimators against independent loop formulas, and the invariants of
-anchors_text_grpo.md 3.8 (each its own test)."""
+"""Sample-level advantage estimators against independent loop formulas, and the invariants every
+group-relative estimator keeps (each its own test)."""
 
 from __future__ import annotations
 
@@ -163,7 +163,7 @@ def test_every_estimator_has_a_formula_test():
     assert set(ESTIMATORS.names()) == tested
 
 
-# --- invariants (anchors_text_grpo.md 3.8), one test each --------------------------------------
+# --- invariants, one test each --------------------- --------------------------------------
 
 
 @SETTINGS

@@ -1,4 +1,4 @@
-"""Gaussian transition log-probs (mean over latent dims) and GRPO-Guard RatioNorm (flow_methods.md 0 and 4)."""
+"""Gaussian transition log-probs (mean over latent dims) and GRPO-Guard RatioNorm (Flow-GRPO, GRPO-Guard papers)."""
 
 from __future__ import annotations
 

@@ -68,7 +68,7 @@ SURROGATE_SPECS = [("ppo_clip", {}), ("ppo_clip", {"dual_clip": 3.0}), ("ppo_cli
                    ("ppo_clip", {"delta": 1.1}), ("ppo_clip", {"delta": 1.3, "dual_clip": 2.0}), ("sapo", {}),
                    ("sapo", {"tau_pos": 2.0, "tau_neg": 0.5}), ("cispo", {}), ("reinforce", {})]
 WEIGHTINGS = ["none", "inv_dt", "noise_aware"]
-KL_SPECS = [("k3", 0.0), ("k1", 0.1), ("k2", 0.2), ("k3", 0.05), ("k3+", 0.3), ("gaussian", 0.5)]
+KL_SPECS = [("k3", 0.0), ("k1", 0.1), ("k2", 0.2), ("k3", 0.05), ("k3+", 0.3), ("gaussian", 0.5), ("flow_grpo", 0.5)]
 AGGS = ["token_mean", "local_token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm",
         "balanced"]
 
@@ -219,7 +219,7 @@ def test_reinforce_gradient_and_ratio_free():
     np.testing.assert_allclose(g, np.where(m, -inp["adv"] / m.sum(), 0.0), rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["k1", "k2", "k3", "k3+", "gaussian"])
+@pytest.mark.parametrize("name", ["k1", "k2", "k3", "k3+", "gaussian", "flow_grpo"])
 def test_kl_estimator_values_and_gradients(name):
     """A = 0 leaves only the KL term: loss = coef * token mean of the estimator."""
     inp = make_inputs(np.random.default_rng(9), ragged=True)
@@ -228,8 +228,10 @@ def test_kl_estimator_values_and_gradients(name):
     m = inp["mask"]
     x = inp["logp"] - inp["logp_ref"]  # log pi - log pi_ref
     value = {"k1": x, "k2": 0.5 * x**2, "k3": np.exp(-x) + x - 1, "k3+": np.exp(-x) + x - 1,
-             "gaussian": inp["msd_ref"] / (2 * inp["std"] ** 2)}[name]
-    grad = {"k1": np.ones_like(x), "k2": x, "k3": 1 - np.exp(-x), "k3+": x, "gaussian": np.zeros_like(x)}[name]
+             "gaussian": inp["msd_ref"] / (2 * inp["std"] ** 2),
+             "flow_grpo": inp["msd_ref"] * inp["dt"] / (2 * inp["std"] ** 2)}[name]
+    grad = {"k1": np.ones_like(x), "k2": x, "k3": 1 - np.exp(-x), "k3+": x, "gaussian": np.zeros_like(x),
+            "flow_grpo": np.zeros_like(x)}[name]
     assert float(out.loss.detach()) == pytest.approx(0.5 * value[m].mean(), rel=1e-5)
     assert out.metrics["kl/ref_mean"] == pytest.approx(value[m].mean(), rel=1e-5)
     np.testing.assert_allclose(g, np.where(m, 0.5 * grad / m.sum(), 0.0), rtol=1e-4, atol=1e-8)
@@ -345,7 +347,7 @@ def test_on_policy_ratio_is_one():
 
 # --- presets ----------------------------------------------------------------------------------
 
-# What each preset means, written from the notes (anchors_text_grpo.md 1.1.6, 2.0, 2.4; flow_methods.md 0, 4).
+# What each preset means, written from its paper (DeepSeekMath GRPO, Dr. GRPO, DAPO, GSPO; Flow-GRPO, GRPO-Guard).
 PRESET_REFERENCE = {
     "grpo": dict(bounds=("symmetric", {"eps": 0.2}), aggregation="seq_mean_token_mean"),
     "bnpo": dict(bounds=("symmetric", {"eps": 0.2}), aggregation="local_token_mean"),
@@ -380,12 +382,14 @@ def test_preset_matches_reference(name, spread):
     assert float(out.loss.detach()) == pytest.approx(expected, rel=1e-4, abs=1e-7)
 
 
-def test_flow_presets_add_the_gaussian_kl_when_given_a_coefficient():
+def test_flow_presets_add_the_closed_form_kl_when_given_a_coefficient():
     inp = make_inputs(np.random.default_rng(32))
     for name in ["flow_grpo", "grpo_guard"]:
-        cfg = LossConfig(preset=name, kl={"estimator": "gaussian", "coef": 0.04})
-        ref = dict(PRESET_REFERENCE[name], kl=("gaussian", 0.04))
-        assert float(policy_loss(to_inputs(inp), cfg).loss) == pytest.approx(ref_policy_loss(inp, ref)[0], rel=1e-4)
+        assert LossConfig(preset=name, kl={"coef": 0.04}).kl.estimator == "flow_grpo"  # the papers' form
+        for estimator in ["gaussian", "flow_grpo"]:
+            cfg = LossConfig(preset=name, kl={"estimator": estimator, "coef": 0.04})
+            ref = dict(PRESET_REFERENCE[name], kl=(estimator, 0.04))
+            assert float(policy_loss(to_inputs(inp), cfg).loss) == pytest.approx(ref_policy_loss(inp, ref)[0], rel=1e-4)
 
 
 # --- micro-batching ---------------------------------------------------------------------------

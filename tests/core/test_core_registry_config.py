@@ -120,7 +120,7 @@ def test_loss_config_errors_list_valid_names():
             LossConfig(**{key: value})
         if registry is not None:
             assert str(registry.names()) in str(e.value)
-    with pytest.raises(ValueError, match=r"unknown KL estimator 'k4'.*valid names: \['gaussian', 'k1', 'k2', 'k3', 'k3\+'\]"):
+    with pytest.raises(ValueError, match=r"unknown KL estimator 'k4'.*valid names: \['flow_grpo', 'gaussian', 'k1', 'k2', 'k3', 'k3\+'\]"):
         LossConfig(kl={"estimator": "k4", "coef": 0.1})
     with pytest.raises(ValueError, match=r"bounds 'symmetric' has no setting 'eps_high'.*valid settings: \['eps'\]"):
         LossConfig(bounds={"name": "symmetric", "eps_high": 0.3})
@@ -160,7 +160,7 @@ def test_settings_only_part_keeps_the_preset_or_default_name():
     sapo = LossConfig(preset="sapo", surrogate={"tau_neg": 2.0})
     assert sapo.surrogate == PartSpec(name="sapo", settings={"tau_neg": 2.0})
     flow = LossConfig(preset="flow_grpo", kl={"coef": 0.04})
-    assert (flow.kl.estimator, flow.kl.coef) == ("gaussian", 0.04)
+    assert (flow.kl.estimator, flow.kl.coef) == ("flow_grpo", 0.04)  # the preset's KL form, the user's beta
     assert (LossConfig(kl={"coef": 0.1}).kl.estimator, LossConfig(kl={"coef": 0.1}).kl.coef) == ("k3", 0.1)
     # a named part replaces the preset's part entirely
     named = LossConfig(preset="dapo", bounds={"name": "symmetric", "eps": 0.1})

@@ -1,5 +1,5 @@
 """Step- and node-level estimators: TempFlow sibling z-score, TP-GRPO turning points, VGPO value-anchored,
-BranchGRPO tree depth (flow_methods.md sections 1, 2, 3, 6 and 10.4)."""
+BranchGRPO tree depth (formulas from the TempFlow-GRPO, TP-GRPO, VGPO and BranchGRPO papers)."""
 
 from __future__ import annotations
 

@@ -20,9 +20,11 @@ def test_train_text_runs_without_torchvision(tmp_path):
 
 
 def test_torchvision_is_reported_missing_not_raised():
-    code = "import importlib.util, reward_models._import_hooks; print(importlib.util.find_spec('torchvision'))"
+    code = "import importlib.util, flowgrpo.torchvision_hook; print(importlib.util.find_spec('torchvision'))"
     from .cli_helpers import _HIDE_TORCHVISION
-    import subprocess, sys, os
+    import os
+    import subprocess
+    import sys
     done = subprocess.run([sys.executable, "-c", _HIDE_TORCHVISION + code], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

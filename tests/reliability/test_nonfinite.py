@@ -128,9 +128,9 @@ def test_guard_unit():
     values = guard.rewards(record, torch.tensor([1.0, math.inf, -math.inf, math.nan]))
     assert torch.isnan(values[1:]).all() and values[0] == 1
     assert record["guard/nonfinite_rewards"] == 3
-    assert guard.step_ok(record, 1.0) and not guard.step_ok(record, math.nan)
+    assert guard.step_ok(1.0) and not guard.step_ok(math.nan)
     guard.end_update(record, 1)
-    assert record["guard/bad_streak"] == 1
+    assert record["guard/bad_streak"] == 1 and record["guard/skipped_steps"] == 1
     guard.rewards(record, torch.tensor([1.0]))
     guard.end_update(record, 2)  # a clean update resets the streak
     assert record["guard/bad_streak"] == 0

@@ -16,7 +16,7 @@ def tiny_hps():
 
 
 def test_constants_are_the_published_values():
-    # research/reward_models.md §1.2 / §2.2: OpenAI CLIP stats, 224 px, longer side resized
+    # the HPSv2 release: OpenAI CLIP stats, 224 px, longer side resized
     # (bicubic) then black padding, OpenCLIP ViT-H/14, files of the xswu/HPSv2 repo.
     assert hps.OPENAI_CLIP_MEAN == (0.48145466, 0.4578275, 0.40821073)
     assert hps.OPENAI_CLIP_STD == (0.26862954, 0.26130258, 0.27577711)

@@ -123,7 +123,7 @@ def write_official(folder, scorer, *, med=True):
 # --- tests -------------------------------------------------------------------------------------
 
 def test_constants_are_the_published_values():
-    # research/reward_models.md §2.4 and the THUDM/ImageReward source
+    # the THUDM/ImageReward source
     assert ir.IMAGEREWARD_MEAN == 0.16717362830052426 and ir.IMAGEREWARD_STD == 1.0333394966054072
     assert ir.IMAGEREWARD_MAX_LENGTH == 35 and ir.IMAGEREWARD_IMAGE_SIZE == 224
     assert ir.OPENAI_CLIP_MEAN == (0.48145466, 0.4578275, 0.40821073)

@@ -10,7 +10,7 @@ from reward_models.images import ImageBatch
 
 
 def test_constants_are_the_published_values():
-    # Quoted in research/reward_models.md §1.2 (OpenAI CLIP; ImageNet for DINOv2).
+    # The published preprocessing constants (OpenAI CLIP; ImageNet for DINOv2).
     assert pp.OPENAI_CLIP_MEAN == (0.48145466, 0.4578275, 0.40821073)
     assert pp.OPENAI_CLIP_STD == (0.26862954, 0.26130258, 0.27577711)
     assert pp.IMAGENET_MEAN == (0.485, 0.456, 0.406)

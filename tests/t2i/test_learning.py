@@ -22,3 +22,17 @@ def test_recipe_learns(recipe, tmp_path):
     m = learning_margin(recipe, tmp_path, iterations=16)
     assert m["first_learn"] == pytest.approx(m["first_still"], abs=1e-7), m  # same start: a paired comparison
     assert m["gain"] > MARGIN * m["noise"] and m["gain"] > 0, m
+
+
+# The mechanisms the published FLUX runs need (issue 12), together on the tiny DanceGRPO recipe: the
+# sd3_time_shift grid with integer-timestep conditioning, images decoded from the last x0 prediction,
+# and each sample training its own random 60 % of the steps but the last.
+PUBLISHED_FLUX = ("sampler.schedule={name: time_shift, shift: 3.0, integer_timesteps: true}", "sampler.decode=last_x0",
+                  "plan={name: full_sde, train_fraction: 1.0}", "edges.per_sample_fraction=0.6",
+                  "edges.exclude_last=true")
+
+
+def test_published_flux_mechanisms_learn(tmp_path):
+    m = learning_margin("dance_grpo", tmp_path, iterations=16, extra=PUBLISHED_FLUX)
+    assert m["first_learn"] == pytest.approx(m["first_still"], abs=1e-7), m
+    assert m["gain"] > MARGIN * m["noise"] and m["gain"] > 0, m

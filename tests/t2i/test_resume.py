@@ -35,9 +35,16 @@ COMMON = ["iterations=5", "checkpoint.every=1", "checkpoint.keep_last=10", "trai
           "optim.warmup_steps=1", "num_threads=1", "eval.every=2"]
 
 
-@pytest.mark.parametrize("recipe", ["flow_grpo", "diffusion_nft", "branchgrpo"])
+# the published FLUX runs' grid, decoding and per-sample random trained steps (redrawn identically on resume)
+PUBLISHED_FLUX = ["sampler.schedule={name: time_shift, shift: 3.0, integer_timesteps: true}", "sampler.decode=last_x0",
+                  "plan={name: full_sde, train_fraction: 1.0}", "edges.per_sample_fraction=0.6", "edges.exclude_last=true"]
+
+
+@pytest.mark.parametrize("recipe", ["flow_grpo", "diffusion_nft", "branchgrpo", "dance_grpo+published"])
 def test_stop_and_resume_in_new_trainer_is_bit_identical(recipe_config, recipe):
+    recipe, _, variant = recipe.partition("+")
     extra = COMMON if recipe != "diffusion_nft" else [c for c in COMMON if not c.startswith("loss.kl")] + ["nft.kl_coef=0.001"]
+    extra = extra + (PUBLISHED_FLUX if variant else [])
     full = train_t2i(recipe_config(recipe, *extra, name="uninterrupted"))
     first = train_t2i(recipe_config(recipe, *extra, "stop_after=2", name="interrupted"))
     assert [r["iteration"] for r in first] == [1, 2]

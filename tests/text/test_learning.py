@@ -83,9 +83,9 @@ def test_ratio_check_warns_loudly_when_off_policy(tiny_config, monkeypatch):
 
 
 def test_one_update_per_batch_checks_a_few_rows_cheaply(tiny_config):
-    """num_iterations 1: the loss needs no old pass; the check re-scores `rows` sequences only, and the
+    """inner_epochs 1: the loss needs no old pass; the check re-scores `rows` sequences only, and the
     entropy metric comes from the training forward."""
-    common = ["steps=2", "checkpoint.every=0", "train.num_iterations=1", "train.micro_batch_size=8"]
+    common = ["steps=2", "checkpoint.every=0", "train.inner_epochs=1", "train.micro_batch_size=8"]
     history = train_text(tiny_config(*common, name="few"))
     assert history[0]["check/shared_prompt_deviation"] < 1e-5 and history[0]["train/shared_prompt"] == 1
     for r in history:  # step 1 also compares the shared-prompt forward with the plain one (2 passes)
@@ -115,5 +115,5 @@ def test_cheap_check_still_catches_an_off_policy_rescoring(tiny_config, monkeypa
 
     monkeypatch.setattr(trainer_mod, "micro_logprobs", shifted)
     with pytest.warns(OnPolicyRatioWarning, match="ON-POLICY CHECK FAILED"):
-        history = train_text(tiny_config("steps=1", "checkpoint.every=0", "train.num_iterations=1"))
+        history = train_text(tiny_config("steps=1", "checkpoint.every=0", "train.inner_epochs=1"))
     assert abs(history[0]["check/first_pass_ratio_dev"] - (1 - math.exp(-0.01))) < 1e-4

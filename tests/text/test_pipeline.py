@@ -11,7 +11,8 @@ from flowgrpo.config import ConfigError
 from flowgrpo.core import LossConfig
 from flowgrpo.text import TextGRPOTrainer, load_text_config, train_text
 from flowgrpo.text.config import DataConfig, GenerationConfig, TinyModelConfig
-from flowgrpo.text.data import PromptSampler, load_prompts
+from flowgrpo.run import PromptSampler
+from flowgrpo.text.data import load_prompts
 from flowgrpo.text.generation import Rollout, TransformersGenerator, completion_mask
 from flowgrpo.text.logprobs import batch_logprobs, micro_logprobs
 from flowgrpo.text.models import build_tiny_model, build_tiny_tokenizer
@@ -129,7 +130,7 @@ def test_micro_batch_size_does_not_change_the_update(tiny_config):
     """ONE global normaliser per optimizer step: the update does not depend on the micro-batch size."""
     params = []
     for micro in (16, 3):
-        t = TextGRPOTrainer(tiny_config("steps=1", "train.num_iterations=1", f"train.micro_batch_size={micro}",
+        t = TextGRPOTrainer(tiny_config("steps=1", "train.inner_epochs=1", f"train.micro_batch_size={micro}",
                                         "optim.eps=1.0", "optim.max_grad_norm=null", "optim.lr=1.0",
                                         "checkpoint.every=0", "checkpoint.save_final_model=false",
                                         "loss.preset=dr_grpo", name=f"m{micro}"))
@@ -190,8 +191,8 @@ def test_cli_train_text_and_final_model(tmp_path, capsys):
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     need = {"reward_mean", "reward_std", "rewards/target_pattern/mean", "adv/std", "clip/frac", "approx_kl",
             "ratio/mean", "completions/mean_length", "completions/max_length", "completions/clipped_ratio",
-            "tokens/per_second", "time/generate", "time/reward", "time/train", "rewards/nan_count",
-            "check/first_pass_ratio_dev", "sampling/temperature", "grad_norm", "lr", "count/backward"}
+            "tokens/per_second", "time_rollout_s", "time_reward_s", "time_train_s", "rewards/nan_count",
+            "check/first_pass_ratio_dev", "sampling/temperature", "grad_norm", "lr", "backward_passes"}
     assert need <= set(rows[0]), need - set(rows[0])
     assert (out / "config.yaml").is_file() and (out / "final" / "config.json").is_file()
     from transformers import AutoModelForCausalLM

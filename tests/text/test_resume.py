@@ -27,7 +27,7 @@ def _assert_identical(a: dict, b: dict) -> None:
         assert torch.equal(a[k], b[k]), k
 
 
-COMMON = ["steps=6", "checkpoint.every=2", "checkpoint.keep_last=5", "train.num_iterations=2",
+COMMON = ["steps=6", "checkpoint.every=2", "checkpoint.keep_last=5", "train.inner_epochs=2",
           "train.mini_batches=2", "train.micro_batch_size=5"]
 
 

@@ -101,12 +101,12 @@ def test_trainer_applies_the_weights(tiny_config, monkeypatch):
     weights every token by 2 (the loss doubles against the uncorrected run of the same batch); masking
     removes every token, so nothing is trained."""
     _shift_recorded(monkeypatch, -1.0)
-    common = ["steps=1", "checkpoint.every=0", "generation.rollout_logprobs=true", "train.num_iterations=1"]
+    common = ["steps=1", "checkpoint.every=0", "generation.rollout_logprobs=true", "train.inner_epochs=1"]
     plain = train_text(tiny_config(*common, "rollout_correction.mode=none", name="none"))[0]
     assert plain["mismatch/token_ratio_mean"] == pytest.approx(math.e, rel=1e-4)
     truncated = train_text(tiny_config(*common, "rollout_correction.mode=token_truncate", name="tis"))[0]
     assert truncated["mismatch/token_clipped_frac"] == 1.0 and truncated["mismatch/weight_mean"] == 2.0
-    assert plain["count/backward"] > 0 and truncated["count/backward"] == plain["count/backward"]
+    assert plain["backward_passes"] > 0 and truncated["backward_passes"] == plain["backward_passes"]
     assert truncated["loss/policy"] == pytest.approx(2 * plain["loss/policy"], rel=1e-4)
     masked = train_text(tiny_config(*common, "rollout_correction.mode=token_mask", name="mask"))[0]
-    assert masked["mismatch/token_masked_frac"] == 1.0 and masked["count/backward"] == 0
+    assert masked["mismatch/token_masked_frac"] == 1.0 and masked["backward_passes"] == 0

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # summed over ranks in another order), which hides the comparison
 ARGS = ["steps=3", "checkpoint.every=0", "progress=false", "num_threads=1", "optim.lr=5e-2", "optim.eps=1e-3",
         "generation.prompts_per_step=4", "generation.group_size=4", "generation.batch_size=4",
-        "generation.rollout_logprobs=true", "train.num_iterations=2", "train.mini_batches=2",
+        "generation.rollout_logprobs=true", "train.inner_epochs=2", "train.mini_batches=2",
         "train.micro_batch_size=3", "train.logprob_batch_size=5", "model.lora.enabled=true", "loss.kl.coef=0.02",
         "dynamic_sampling.enabled=true", "dynamic_sampling.max_extra_rounds=1"]
 
@@ -36,12 +36,12 @@ def test_two_processes_match_one(tmp_path, launch_ranks):
     for a, b in zip(m1, m2):
         # the same samples (each chunk has its own seed) and so the same rewards and advantages, bit for bit
         for key in ("reward_mean", "reward_std", "completions/mean_length", "count/generated_groups",
-                    "count/backward", "count/forward_grad", "check/rows"):
+                    "backward_passes", "count/forward_grad", "check/rows"):
             assert a[key] == b[key], key
         # log-probs of the same rows computed in other micro-batch groupings, losses summed over ranks
         for key in ("loss/total", "kl/ref_mean", "mismatch/logp_diff_max", "check/first_pass_ratio_dev"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
-    assert sum(r["count/backward"] for r in m1) > 0
+    assert sum(r["backward_passes"] for r in m1) > 0
     assert sum(r["count/forward_grad"] for r in m2) == sum(r["count/forward_grad"] for r in m1)
     t1, t2 = _lora(one), _lora(two)
     assert t1.keys() == t2.keys()

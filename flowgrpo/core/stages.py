@@ -1,0 +1,110 @@
+"""The two stages a trainer calls: rewards -> advantages (`compute_advantages`), and the policy loss of a
+(micro-)batch (`policy_loss`). Each reads its config and runs the registered parts it names.
+
+This module sits above the registries (advantages, transforms, losses) and the configs that check names
+against them, so none of those imports another in a circle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .advantages import ESTIMATORS, advantage_metrics, reward_metrics
+from .config import AdvantageConfig, LossConfig
+from .contracts import AdvantageResult, GroupBatch, given
+from .losses import (
+    AGGREGATIONS,
+    BOUNDS,
+    KL_ESTIMATORS,
+    RATIOS,
+    STEP_WEIGHTINGS,
+    SURROGATES,
+    LossContext,
+    LossInputs,
+    LossNormalizer,
+    LossOutput,
+    mean_over_mask,
+    ratio_metrics,
+)
+from .registry import Entry
+from .transforms import TRANSFORMS
+
+
+def compute_advantages(batch: GroupBatch, config: AdvantageConfig | None = None) -> AdvantageResult:
+    """Run the configured estimator and transforms on a batch, and measure what happened."""
+    config = config or AdvantageConfig()
+    if batch.head_nan_policy != config.head_nan_policy:
+        batch = replace(batch, head_nan_policy=config.head_nan_policy)
+    entry = ESTIMATORS.get(config.estimator.name)
+    for need in entry.requires:
+        if getattr(batch, need) is None:
+            raise ValueError(f"advantage estimator '{entry.name}' needs GroupBatch.{need}, which is missing")
+    result: AdvantageResult = entry.fn(batch, **config.estimator.settings)
+    for spec in config.transforms:
+        result = TRANSFORMS.get(spec.name).fn(result, batch, **spec.settings)
+    result.metrics.update(reward_metrics(batch))
+    result.metrics.update(advantage_metrics(result))
+    return result
+
+
+def _check_requires(entry: Entry, inputs: LossInputs, slot: str) -> None:
+    for need in entry.requires:
+        if getattr(inputs, need) is None:
+            raise ValueError(f"{slot} '{entry.name}' needs LossInputs.{need}, which is missing")
+
+
+def policy_loss(
+    inputs: LossInputs, config: Optional[LossConfig] = None, norm: Optional[LossNormalizer] = None
+) -> LossOutput:
+    """The configured policy loss of one (micro-)batch, its per-action terms and metrics.
+
+    Pass the `norm` of the whole optimisation batch when the batch is split into micro-batches.
+    """
+    config = config or LossConfig()
+    norm = norm or LossNormalizer.from_inputs(inputs)
+    parts = {
+        "ratio": RATIOS.get(config.ratio.name),
+        "bounds": BOUNDS.get(config.bounds.name),
+        "surrogate": SURROGATES.get(config.surrogate.name),
+        "step weighting": STEP_WEIGHTINGS.get(config.step_weighting.name),
+        "aggregation": AGGREGATIONS.get(config.aggregation.name),
+    }
+    kl_entry = KL_ESTIMATORS.get(config.kl.estimator) if config.kl.coef else None
+    for slot, entry in parts.items():
+        _check_requires(entry, inputs, slot)
+    if kl_entry is not None:
+        _check_requires(kl_entry, inputs, "KL estimator")
+    if config.entropy_coef and inputs.entropy is None:
+        raise ValueError("entropy_coef is set but LossInputs.entropy is missing")
+
+    ctx = LossContext(inputs, norm, inputs.logp.float() - inputs.logp_old.float(), config.log_ratio_clamp)
+    ctx.ratio = parts["ratio"].fn(ctx, **config.ratio.settings)
+    ctx.low, ctx.high = parts["bounds"].fn(ctx, **config.bounds.settings)
+    per_action = parts["surrogate"].fn(ctx, **config.surrogate.settings)
+    weight = parts["step weighting"].fn(ctx, **config.step_weighting.settings)
+    if inputs.sample_weight is not None:
+        weight = inputs.sample_weight * weight
+    per_action = per_action * weight
+
+    def aggregate(values: Tensor) -> Tensor:
+        out: Tensor = parts["aggregation"].fn(values, ctx, **config.aggregation.settings)
+        return out
+
+    metrics = {"loss/policy": float(aggregate(per_action.detach()))}
+    m = inputs.mask
+    if kl_entry is not None:
+        kl = kl_entry.fn(ctx)
+        per_action = per_action + config.kl.coef * kl
+        metrics["kl/ref_mean"] = float(mean_over_mask(kl.detach(), m))
+    if config.entropy_coef:
+        entropy = given(inputs.entropy, "LossInputs.entropy")
+        per_action = per_action - config.entropy_coef * entropy
+        metrics["entropy/mean"] = float(mean_over_mask(entropy.detach(), m))
+    loss = aggregate(per_action)
+    metrics.update(ratio_metrics(ctx))
+    metrics["loss/total"] = float(loss.detach())
+    return LossOutput(loss, torch.where(m, per_action, torch.zeros_like(per_action)), metrics)

@@ -1,0 +1,20 @@
+"""What both trainers share: the run loop, the optimizer step, the on-policy check, prompt order, configs.
+
+loop         RunLoop: process setup, checkpoints and resume, metrics.jsonl, progress, evaluation hooks
+optim        AdamW + LR schedule; OptimizerStep (all-reduce, clip, step, EMA)
+ratio_check  FirstPassCheck and OnPolicyRatioWarning
+prompts      PromptSampler (seeded epochs, resumable)
+config       OptimConfig, CheckpointConfig, RatioCheckConfig, EMAConfig
+"""
+
+from .config import CheckpointConfig, EMAConfig, OptimConfig, RatioCheckConfig
+from .loop import CheckpointParts, RunLoop
+from .optim import OptimizerStep, build_optimizer, lr_factor
+from .prompts import PromptOrderError, PromptSampler
+from .ratio_check import FirstPassCheck, OnPolicyRatioWarning
+
+__all__ = [
+    "CheckpointConfig", "CheckpointParts", "EMAConfig", "FirstPassCheck", "OnPolicyRatioWarning", "OptimConfig",
+    "OptimizerStep", "PromptOrderError", "PromptSampler", "RatioCheckConfig", "RunLoop", "build_optimizer",
+    "lr_factor",
+]  # fmt: skip

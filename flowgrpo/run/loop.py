@@ -1,0 +1,229 @@
+"""The run loop both trainers share: process setup, checkpoints and resume, metrics, progress, evaluation hooks.
+
+A trainer subclasses `RunLoop` and supplies what is its own: `iterate(record)` (roll out, score, update the
+policy through `self.optimizer_step`), the tensors and state its checkpoints hold, and optionally evaluation
+and the final model. The loop owns the order of everything else:
+
+    __init__   prepare_process (seeds, threads) -> output folder -> refuse to overwrite an earlier run
+               -> the non-finite guard (`self.guard`, flowgrpo.guards)
+    train()    config.yaml -> [evaluate "before"] -> SIGINT / SIGTERM handlers -> per step: train_step()
+               -> [evaluate] -> metrics.jsonl -> [checkpoint] -> progress bar -> [stop on a signal] ...
+               -> [evaluate "after", final model]
+    train_step() record {unit, lr} -> iterate(record) -> LR schedule -> step += 1 -> guard.end_update
+
+Save points: `save()`, every `checkpoint.every` steps, at the end of the run, and after the step in progress
+when SIGINT / SIGTERM arrives (flowgrpo.interrupts: the step finishes, every rank saves the same step, the run
+stops with 128 + the signal and a resume hint); nothing else writes a checkpoint. A trainer's `iterate` passes
+its rewards through `self.guard.rewards` and builds its `OptimizerStep` with `guard=self.guard`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from ..checkpoint import Checkpoint, check_resume_config, latest_checkpoint, load_checkpoint, save_checkpoint
+from ..config import ConfigError, dump_config
+from ..distributed import Distributed
+from ..guards import NonFiniteGuard
+from ..interrupts import StopRequest
+from ..metrics import MetricsWriter, truncate_metrics
+from ..process import prepare_process
+from .config import CheckpointConfig
+from .optim import OptimizerStep
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CheckpointParts:
+    """What a trainer adds to a checkpoint: named tensor groups, optimizers (besides the LR schedule), state."""
+
+    tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    optimizers: dict[str, torch.optim.Optimizer] = field(default_factory=dict)
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+class RunLoop:
+    """The shared loop. Subclasses set `unit` (the record key counting steps), `resume_free` (config keys that
+    may change across a resume), `nan_reward_is_missing` (NaN rewards mean "not applicable", not a failed
+    score), `optimizer`, `scheduler` and `optimizer_step`."""
+
+    unit = "step"
+    progress_label = "train"
+    resume_free: frozenset[str] = frozenset()
+    nan_reward_is_missing = False
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    optimizer_step: OptimizerStep
+
+    def __init__(self, cfg: Any, total_steps: int) -> None:
+        self.cfg = cfg
+        self.total_steps = total_steps
+        prepare_process(cfg.seed, cfg.num_threads, cfg.deterministic)
+        self.dist = Distributed.from_environment()
+        self.out = Path(cfg.output_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        ckpt: CheckpointConfig = cfg.checkpoint
+        self.ckpt_dir = Path(ckpt.dir) if ckpt.dir else self.out / "checkpoints"
+        if not cfg.resume and latest_checkpoint(self.ckpt_dir) is not None:
+            raise ConfigError(
+                f"{self.ckpt_dir} holds checkpoints of an earlier run: set resume=true to continue "
+                "it, or choose another output_dir (nothing was overwritten)"
+            )
+        self.step = 0  # completed training steps
+        self.resumed_from: Optional[Path] = None
+        self.guard = NonFiniteGuard(cfg.guards, self.unit, nan_is_missing=self.nan_reward_is_missing)
+
+    # --- what a trainer supplies ---------------------------------------------------------------------
+
+    def iterate(self, record: dict[str, Any]) -> None:
+        """Roll out, score and update the policy for one training step, writing metrics into `record`."""
+        raise NotImplementedError
+
+    def checkpoint_parts(self) -> CheckpointParts:
+        """Tensors and state to save besides the LR schedule (optimizers: also read on resume)."""
+        raise NotImplementedError
+
+    def restore(self, ckpt: Checkpoint) -> None:
+        """Load a checkpoint's tensors and state into this trainer (optimizers are loaded already)."""
+        raise NotImplementedError
+
+    def evaluate(self, tag: str) -> dict[str, float]:
+        """Held-out evaluation: 'before', '<step>' every `eval_every` steps, 'after'. None by default."""
+        return {}
+
+    eval_every = 0
+
+    def log_record(self, record: dict[str, Any], step: int) -> None:
+        """Extra trackers (tensorboard, ...) besides metrics.jsonl; rank 0 only."""
+
+    def progress_postfix(self, record: dict[str, Any]) -> dict[str, str]:
+        return {"reward": f"{record.get('reward_mean', math.nan):.4f}"}
+
+    def finish(self, final_eval: dict[str, float]) -> None:
+        """Rank 0, after the last step: write what the finished run leaves besides the final model."""
+
+    def save_final_model(self) -> None:
+        """Rank 0, after the last step, when `checkpoint.save_final_model`: the trained weights."""
+
+    def close(self) -> None:
+        """Release workers, trackers and files; runs last, however the run ends."""
+
+    # --- one step --------------------------------------------------------------------------------------
+
+    def train_step(self) -> dict[str, Any]:
+        t_step = time.perf_counter()
+        record: dict[str, Any] = {self.unit: self.step + 1, "lr": self.optimizer.param_groups[0]["lr"]}
+        self.iterate(record)
+        self.scheduler.step()
+        self.step += 1
+        # a NaN weight stops the run before anything saves it; warns, stops after guards.max_bad_updates bad steps
+        self.guard.end_update(record, self.step, self.optimizer_step.params)
+        record[f"time_{self.unit}_s"] = time.perf_counter() - t_step
+        return record
+
+    # --- checkpoints -----------------------------------------------------------------------------------
+
+    def save(self) -> Optional[Path]:
+        """Rank 0 writes the checkpoint (every rank holds the same weights); the others wait for it."""
+        path = self._write_checkpoint() if self.dist.is_main else None
+        self.dist.barrier()
+        return path
+
+    def _write_checkpoint(self) -> Path:
+        parts = self.checkpoint_parts()
+        return save_checkpoint(
+            self.ckpt_dir, self.step, tensors=parts.tensors, optimizers=parts.optimizers,
+            schedulers={"lr": self.scheduler}, state=parts.state, config=self.cfg.model_dump(mode="json"),
+            keep_last=self.cfg.checkpoint.keep_last,
+        )  # fmt: skip
+
+    def resume(self) -> None:
+        """Continue from the newest good checkpoint under the checkpoint folder (none: start at step 0). Damaged
+        ones (sizes / hashes differ from the save) are skipped with a warning; a changed setting outside
+        `resume_free` is refused (the checkpoint's optimizer and schedule would silently win over it)."""
+        path = latest_checkpoint(self.ckpt_dir, verify=True)
+        if path is None:
+            log.info("resume: no checkpoint under %s; starting at %s 0", self.ckpt_dir, self.unit)
+            return
+        optimizers = self.checkpoint_parts().optimizers
+        ckpt = load_checkpoint(path, optimizers=optimizers, schedulers={"lr": self.scheduler})
+        check_resume_config(self.cfg.model_dump(mode="json"), ckpt.config, set(self.resume_free))
+        self.restore(ckpt)
+        self.step = ckpt.step
+        self.resumed_from = path
+        log.info("resumed from %s (%s %d)", path, self.unit, self.step)
+
+    # --- the run ---------------------------------------------------------------------------------------
+
+    def train(self) -> list[dict[str, Any]]:
+        """Run to `stop_after` (or the end); returns the metrics records of the steps run."""
+        try:
+            history = self._run_steps()
+            if self.step >= self.total_steps and self.dist.is_main:
+                final = self.evaluate("after")
+                self.log_record(final, self.step)
+                self.finish(final)
+                if self.cfg.checkpoint.save_final_model:
+                    self.save_final_model()
+            return history
+        finally:
+            self.close()
+
+    def _run_steps(self) -> list[dict[str, Any]]:
+        from tqdm.auto import tqdm
+
+        cfg, main = self.cfg, self.dist.is_main  # rank 0 writes the config, metrics, checkpoints, final model
+        metrics_path = self.out / "metrics.jsonl"
+        if main:
+            dump_config(cfg, self.out / "config.yaml")
+            if self.step > 0:  # records written after the checkpoint this run resumed from
+                truncate_metrics(metrics_path, self.step, self.unit)
+        end = self.total_steps if cfg.stop_after is None else min(self.total_steps, cfg.stop_after)
+        history: list[dict[str, Any]] = []
+        if self.step == 0 and main:
+            self.log_record(self.evaluate("before"), 0)
+        bar = tqdm(total=self.total_steps, initial=self.step, desc=self.progress_label,
+                   disable=not (cfg.progress and main))  # fmt: skip
+        writer = MetricsWriter(metrics_path, append=self.step > 0) if main else None
+        ckpt_seconds: Optional[float] = None
+        stop = StopRequest.install(self.unit)  # SIGINT / SIGTERM: finish the step, save, stop (a 2nd: at once)
+        try:
+            while self.step < end:
+                record = self.train_step()
+                every = self.eval_every
+                if every and self.step % every == 0 and self.step < self.total_steps:
+                    record.update(self.evaluate(f"{self.step:06d}"))
+                if ckpt_seconds is not None:  # the save that followed the previous step
+                    record["time_checkpoint_s"], ckpt_seconds = ckpt_seconds, None
+                # the record goes out before the checkpoint: a crash in between leaves a record newer than
+                # the checkpoint, which a resumed run drops and writes again
+                if writer is not None:
+                    writer.write(record)
+                    self.log_record(record, self.step)
+                history.append(record)
+                # poll first, on every rank: a collective (max over ranks), so all ranks save the same step
+                if stop.poll(self.dist) or self._checkpoint_due(end):
+                    t0 = time.perf_counter()
+                    self.save()
+                    ckpt_seconds = time.perf_counter() - t0
+                bar.update(1)
+                bar.set_postfix(**self.progress_postfix(record))
+                stop.check(self.step)  # raises Interrupted (exit 128 + signal, resume hint) after the save
+        finally:
+            stop.restore()
+            bar.close()
+            if writer is not None:
+                writer.close()
+        return history
+
+    def _checkpoint_due(self, end: int) -> bool:
+        every = self.cfg.checkpoint.every
+        return bool(every and self.step % every == 0) or self.step == end

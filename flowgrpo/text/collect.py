@@ -1,0 +1,184 @@
+"""The text trainer's rollout phase: generate P x G completions, score them, and (DAPO) refill the batch.
+
+Chunk c of a step's prompts is sampled with its own seed and scored on rank c % world_size; every rank
+gets the whole batch back in chunk order. With dynamic sampling, groups whose rewards do not vary are
+dropped and more prompts are generated, for a bounded number of extra rounds.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+from ..core import GroupBatch
+from ..core.stats import masked_std
+from ..distributed import Distributed
+from ..run.prompts import PromptSampler
+from .config import TextConfig
+from .data import PromptData
+from .generation import Rollout, prompts_per_call
+from .rewards import RewardFunction, RewardScores, score_completions
+
+
+@dataclass
+class ScoredBatch:
+    """The groups a training step trains on, with their rewards."""
+
+    rollout: Rollout
+    scores: RewardScores
+
+
+def group_batch(
+    cfg: TextConfig, rewards: Sequence[RewardFunction], values: torch.Tensor, rollout: Rollout
+) -> GroupBatch:
+    """Rewards [N, K] of a rollout as flowgrpo.core's groups [P, G, K] (with lengths for length-aware estimators)."""
+    G = rollout.group_size
+    P = values.shape[0] // G
+    return GroupBatch(
+        rewards=values.view(P, G, -1),
+        reward_weights=[r.weight for r in rewards],
+        reward_names=[r.name for r in rewards],
+        lengths=rollout.lengths.view(P, G).float(),
+        head_nan_policy=cfg.advantage.head_nan_policy,
+    )
+
+
+class Collector:
+    """Generates and scores the groups of each training step."""
+
+    def __init__(
+        self,
+        cfg: TextConfig,
+        generator: Any,
+        tokenizer: Any,
+        data: PromptData,
+        rewards: Sequence[RewardFunction],
+        sampler: PromptSampler,
+        dist: Distributed,
+    ) -> None:
+        self.cfg, self.generator, self.tokenizer, self.data = cfg, generator, tokenizer, data
+        self.rewards, self.sampler, self.dist = rewards, sampler, dist
+
+    def _score(self, rollout: Rollout, step: int) -> RewardScores:
+        rows = [self.data.rows[int(i)] for i in rollout.prompt_index]
+        field = self.cfg.data.prompt_field
+        ids = [c[m].tolist() for c, m in zip(rollout.completion_ids, rollout.completion_mask)]
+        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        conv = [self.data.conversational[int(i)] for i in rollout.prompt_index]
+        completions = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, conv)]
+        names = sorted({k for row in rows for k in row} - {field})
+        columns = {k: [row.get(k) for row in rows] for k in names}
+        return score_completions(
+            self.rewards,
+            prompts=[row[field] for row in rows],
+            completions=completions,
+            completion_ids=ids,
+            columns=columns,
+            trainer_state={"global_step": step},
+            stop_on_error=self.cfg.stop_on_reward_error,
+        )
+
+    def _chunk_seed(self, step: int, round_: int, chunk: int) -> int:
+        """The sampling seed of a chunk of prompts: the same on any rank, for any number of ranks, after a resume."""
+        return int(np.random.SeedSequence([self.cfg.seed, step, round_, chunk]).generate_state(1)[0])
+
+    def _generate_and_score(
+        self, index: list[int], step: int, round_: int
+    ) -> tuple[Rollout, RewardScores, float, float]:
+        """The whole batch on every rank, and this rank's generate / reward seconds."""
+        per_call = prompts_per_call(self.cfg.generation)
+        chunks = [index[s : s + per_call] for s in range(0, len(index), per_call)]
+        local: list[tuple[int, Any, Any]] = []
+        t_gen, t_rew, failure = 0.0, 0.0, None
+        try:
+            for c in self.dist.my_chunks(len(chunks)):
+                t0 = time.perf_counter()
+                rollout = self.generator.generate(
+                    [self.data.prompt_ids[i] for i in chunks[c]], chunks[c], seed=self._chunk_seed(step, round_, c)
+                )
+                t1 = time.perf_counter()
+                local.append((c, rollout, self._score(rollout, step)))
+                t_gen += t1 - t0
+                t_rew += time.perf_counter() - t1
+        except Exception as err:
+            if not self.dist.active:
+                raise
+            # the other ranks wait at the gather below: tell them, so every rank stops with the reason
+            failure = err
+            local = [(-1, f"rank {self.dist.rank}: {type(err).__name__}: {err}", None)]
+        parts = sorted(self.dist.gather_objects(local), key=lambda item: item[0])
+        failed = [msg for c, msg, _ in parts if c < 0]
+        if failure is not None:
+            raise failure
+        if failed:
+            raise RuntimeError("generation or scoring failed on another rank: " + "; ".join(failed))
+        rollout = Rollout.concat([r for _, r, _ in parts], self.generator.pad_id)
+        scores = [sc for _, _, sc in parts]
+        merged = RewardScores(
+            torch.cat([sc.values for sc in scores]),
+            [sum(col) for col in zip(*(sc.none_counts for sc in scores))],
+            [sum(col) for col in zip(*(sc.error_counts for sc in scores))],
+        )
+        return rollout, merged, t_gen, t_rew
+
+    def collect(self, record: dict[str, Any], step: int) -> Optional[ScoredBatch]:
+        """Generate and score P groups; with dynamic sampling, keep only groups whose rewards vary (None: none)."""
+        cfg, ds = self.cfg.generation, self.cfg.dynamic_sampling
+        P, G = cfg.prompts_per_step, cfg.group_size
+        kept_r, kept_s = [], []
+        n_kept, rounds, generated = 0, 0, 0
+        t_gen = t_rew = 0.0
+        nones = [0] * len(self.rewards)
+        errors = [0] * len(self.rewards)
+        while True:
+            index = self.sampler.next(P)
+            rollout, scores, dt_gen, dt_rew = self._generate_and_score(index, step, rounds)
+            t_gen += dt_gen
+            t_rew += dt_rew
+            generated += P
+            nones = [a + b for a, b in zip(nones, scores.none_counts)]
+            errors = [a + b for a, b in zip(errors, scores.error_counts)]
+            if not ds.enabled:
+                kept_r, kept_s, n_kept = [rollout], [scores], P
+                break
+            scalar = group_batch(self.cfg, self.rewards, scores.values, rollout).scalar_rewards()
+            ok = torch.isfinite(scalar)
+            spread = masked_std(scalar, ok, dim=1, unbiased=False).squeeze(1) > ds.min_std
+            keep = [g for g in range(P) if bool(spread[g])][: P - n_kept]
+            if keep:
+                kept_r.append(rollout.select_groups(keep))
+                rows = torch.tensor([g * G + j for g in keep for j in range(G)])
+                kept_s.append(replace(scores, values=scores.values[rows]))
+                n_kept += len(keep)
+            if n_kept >= P or rounds >= ds.max_extra_rounds:
+                break
+            rounds += 1
+        # seconds: the slowest rank's (the others wait for it at the gather)
+        record.update(
+            {
+                "time_rollout_s": self.dist.max(t_gen),
+                "time_reward_s": self.dist.max(t_rew),
+                "count/generated_groups": generated,
+                "reward_calls": len(self.rewards) * (generated // P),
+            }
+        )
+        for r, n, e in zip(self.rewards, nones, errors):
+            record[f"rewards/{r.name}/none_count"] = n
+            record[f"rewards/{r.name}/error_count"] = e
+        if ds.enabled:
+            record.update(
+                {
+                    "dynamic_sampling/extra_rounds": rounds,
+                    "dynamic_sampling/kept_groups": n_kept,
+                    "dynamic_sampling/dropped_groups": generated - n_kept,
+                }
+            )
+        if not kept_r:
+            return None
+        rollout = Rollout.concat(kept_r, self.generator.pad_id)
+        values = torch.cat([s.values for s in kept_s])
+        return ScoredBatch(rollout, RewardScores(values, nones, errors))

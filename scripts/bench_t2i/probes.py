@@ -1,0 +1,108 @@
+"""Timing hooks: every denoiser forward, VAE decode and backward of one adapter, timed and counted."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+
+def _rows(args: tuple, kwargs: dict) -> int:
+    for value in (*args, kwargs.get("hidden_states"), kwargs.get("sample")):
+        if hasattr(value, "shape") and len(value.shape) > 0:
+            return int(value.shape[0])
+    return 0
+
+
+class ModelCallProbe:
+    """Times and counts every denoiser forward, VAE decode and autograd backward of one adapter.
+
+    Denoiser: a forward pre-hook / post-hook pair on adapter.denoiser (rows = the batch of its first
+    tensor input; grad or not from torch.is_grad_enabled()). VAE: adapter.vae.decode wrapped on the
+    instance (it runs on the reward worker threads). Backward: torch.Tensor.backward wrapped while
+    installed (every .backward() of the process: the policy's and, in Adv-GRPO, the discriminator's).
+    """
+
+    def __init__(self, adapter):
+        self.adapter = adapter
+        self.calls: list[tuple[str, float, float, int]] = []  # (kind, start, end, rows)
+        self._open: list[tuple[float, int, bool]] = []
+        self._lock = threading.Lock()
+        self._undo: list = []
+
+    def install(self) -> ModelCallProbe:
+        import torch
+
+        den = self.adapter.denoiser
+
+        def pre(module, args, kwargs):
+            self._open.append((time.perf_counter(), _rows(args, kwargs), torch.is_grad_enabled()))
+
+        def post(module, args, output):
+            if self._open:
+                t0, rows, grad = self._open.pop()
+                self._add("fwd_grad" if grad else "fwd_nograd", t0, rows)
+
+        handles = [
+            den.register_forward_pre_hook(pre, with_kwargs=True),
+            den.register_forward_hook(post, always_call=True),
+        ]
+        self._undo.append(lambda: [h.remove() for h in handles])
+
+        vae = self.adapter.vae
+        decode = vae.decode
+
+        def timed_decode(z, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return decode(z, *args, **kwargs)
+            finally:
+                self._add("decode", t0, int(z.shape[0]))
+
+        vae.decode = timed_decode
+        self._undo.append(lambda: vars(vae).pop("decode", None))
+
+        backward = torch.Tensor.backward
+
+        def timed_backward(tensor, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return backward(tensor, *args, **kwargs)
+            finally:
+                self._add("backward", t0, 1)
+
+        torch.Tensor.backward = timed_backward
+        self._undo.append(lambda: setattr(torch.Tensor, "backward", backward))
+        return self
+
+    def remove(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    def _add(self, kind: str, t0: float, rows: int) -> None:
+        with self._lock:
+            self.calls.append((kind, t0, time.perf_counter(), rows))
+
+    def summary(self, mark: int, t0: float, t1: float) -> dict[str, float]:
+        """Calls since `mark`, inside the wall-clock window [t0, t1]."""
+        with self._lock:
+            calls = self.calls[mark:]
+        out: dict[str, float] = {}
+        for kind in ("fwd_nograd", "fwd_grad", "backward", "decode"):
+            mine = [c for c in calls if c[0] == kind]
+            out[f"{kind}_s"] = sum(c[2] - c[1] for c in mine)
+            out[f"{kind}_calls"] = len(mine)
+            out[f"{kind}_rows"] = sum(c[3] for c in mine)
+        out["union_fwd_decode_s"] = _union([c[1:3] for c in calls if c[0] != "backward"], t0, t1)
+        out["union_all_s"] = _union([c[1:3] for c in calls], t0, t1)
+        return out
+
+
+def _union(intervals: list, lo: float, hi: float) -> float:
+    """Length of the union of [start, end] intervals clipped to [lo, hi] (calls overlap across threads)."""
+    total, end = 0.0, lo
+    for a, b in sorted((max(a, lo), min(b, hi)) for a, b in intervals):
+        if b <= max(a, end):
+            continue
+        total += b - max(a, end)
+        end = b
+    return total

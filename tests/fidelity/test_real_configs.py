@@ -1,0 +1,300 @@
+"""The real recipes stay equal to the published runs: docs/recipes.md's values, pinned key by key.
+
+Each recipe has a dict of dotted config keys -> the published value (or our stated choice where the
+published code fixes nothing: those are commented). Only configs are loaded; no model is built and no
+weights are needed. A later edit that drifts from the table fails here with the key that moved.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from flowgrpo.core.config import PartSpec
+from flowgrpo.t2i import load_t2i_config
+from pipelines.plans import build_plan
+
+REAL_DIR = Path(__file__).resolve().parents[2] / "configs" / "t2i" / "real"
+
+FLOW_GRPO_LORA_TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+                          "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v"]
+
+# yifan123/flow_grpo config/base.py + config/grpo.py:pickscore_sd3, scripts/train_sd3.py
+SD35M = {
+    "model.family": "sd3",
+    "model.pretrained": "stabilityai/stable-diffusion-3.5-medium",
+    "model.finetune": "lora",
+    "model.dtype": "float16",
+    "model.lora.rank": 32,
+    "model.lora.alpha": 64,
+    "model.lora.init": "gaussian",
+    "model.lora.target_modules": FLOW_GRPO_LORA_TARGETS,
+    "sampler.height": 512,
+    "sampler.width": 512,
+    "sampler.num_steps": 10,
+    "sampler.guidance_scale": 4.5,
+    "sampler.cfg_mode": "full",
+    "sampler.train_cfg_mode": "full",        # compute_log_prob: no detach of the uncond branch
+    "sampler.schedule.name": "scheduler",    # diffusers FlowMatchEuler, shift 3 from the checkpoint
+    "sampler.sde_kernel.name": "flow_sde",
+    "sampler.sde_kernel.a": 0.7,
+    "sampler.share_noise": False,            # same_latent = False
+    "group_size": 24,
+    "prompts_per_iteration": 48,
+    "train.inner_epochs": 1,
+    "train.mini_batches": 2,
+    "optim.lr": 3e-4,
+    "optim.weight_decay": 1e-4,
+    "optim.betas": [0.9, 0.999],
+    "optim.eps": 1e-8,
+    "optim.max_grad_norm": 1.0,
+    "advantage.transforms.0.name": "clip",
+    "advantage.transforms.0.max": 5.0,
+    "ema.enabled": True,
+    "ema.decay": 0.9,
+    "ema.update_every": 8,
+    "eval.num_steps": 40,
+    "data.path": "prompts/pickscore_train.txt",
+}
+PICKSCORE = {"rewards.0.name": "pickscore", "rewards.0.dtype": "float32", "rewards.0.weight": 1.0}
+GLOBAL_STD = {"advantage.estimator.name": "grpo", "advantage.estimator.std_scope": "batch",
+              "advantage.estimator.unbiased": False, "advantage.estimator.eps": 1e-4}
+
+# The FastVideo trainer shared by DanceGRPO, MixGRPO, BranchGRPO and Pref-GRPO (fastvideo/train_grpo_flux.py)
+FLUX = {
+    "model.family": "flux",
+    "model.pretrained": "black-forest-labs/FLUX.1-dev",
+    "model.finetune": "full",
+    "model.dtype": "float32",
+    "sampler.height": 720,
+    "sampler.width": 720,
+    "sampler.guidance_scale": 3.5,
+    "sampler.cfg_mode": "none",
+    "sampler.train_cfg_mode": "none",
+    "sampler.schedule.name": "time_shift",
+    "sampler.schedule.shift": 3.0,
+    "sampler.schedule.integer_timesteps": True,  # timestep = int(1000 sigma), then / 1000
+    "sampler.share_noise": True,             # --init_same_noise
+    "train.micro_batch_size": 1,
+    "optim.lr": 1e-5,
+    "optim.schedule": "constant",
+    "optim.warmup_steps": 0,
+    "optim.weight_decay": 1e-4,
+    "optim.betas": [0.9, 0.999],
+    "optim.eps": 1e-8,
+    "optim.max_grad_norm": 1.0,
+    "advantage.transforms.0.name": "clip",
+    "advantage.transforms.0.max": 5.0,
+    "loss.kl.coef": 0.0,
+    "edges.drop_zero_advantage": False,
+    "ema.enabled": False,
+    "iterations": 300,
+}
+HPS21 = {"rewards.0.name": "hpsv2", "rewards.0.version": "v2.1", "data.path": "prompts/hpdv2_train.txt"}
+GROUP_UNBIASED = {"advantage.estimator.name": "grpo", "advantage.estimator.std_scope": "group",
+                  "advantage.estimator.unbiased": True, "advantage.estimator.eps": 1e-8}
+TREE = {
+    "sampler.num_steps": 20, "sampler.sde_kernel.name": "dance_sde", "sampler.sde_kernel.eta": 0.3,
+    "sampler.decode": "last_x0", "group_size": 16, "prompts_per_iteration": 16,
+    "plan.name": "tree", "plan.split_steps": [0, 3, 6, 9], "plan.branch": 2, "plan.noise_scale": 4.0,
+    "advantage.estimator.name": "tree_depth", "advantage.estimator.fusion": "mean",
+    "advantage.estimator.eps": 1e-8, "advantage.estimator.unbiased": True, "advantage.estimator.min_std": 1e-6,
+    "loss.bounds.eps": 1e-3, "edges.width_pruning": None, "edges.depth_pruning": None,
+}
+MIXGRPO = {
+    "sampler.num_steps": 25, "sampler.sde_kernel.name": "flow_sde", "sampler.sde_kernel.a": 0.7,
+    "sampler.decode": "final", "group_size": 12, "prompts_per_iteration": 32, "train.mini_batches": 4,
+    "plan.name": "window", "plan.size": 4, "plan.schedule": "progressive", "plan.stride": 1,
+    "rewards.0.name": "hpsv2", "rewards.0.version": "v2.1", "rewards.1.name": "imagereward",
+    "rewards.2.name": "pickscore", "rewards.0.weight": 1 / 3, "rewards.1.weight": 1 / 3, "rewards.2.weight": 1 / 3,
+    "advantage.estimator.name": "gdpo", "advantage.estimator.batch_norm": False,
+    "advantage.estimator.eps": 1e-8, "advantage.estimator.unbiased": True,
+    "loss.bounds.eps": 1e-4, "data.path": "prompts/hpdv2_train.txt",
+}
+PREF = {
+    "sampler.num_steps": 25, "sampler.sde_kernel.name": "flow_sde", "sampler.sde_kernel.a": 0.7,
+    "sampler.decode": "last_x0", "group_size": 8, "prompts_per_iteration": 64, "train.mini_batches": 2,
+    "plan.name": "full_sde", "plan.train_fraction": 1.0,
+    "edges.per_sample_fraction": 0.6, "edges.exclude_last": True,
+    "rewards.0.name": "vlm_judge_pairwise", "rewards.0.model": "UnifiedReward", "rewards.0.weight": 0.7,
+    "rewards.1.name": "clip_score", "rewards.1.model": "laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
+    "rewards.1.variant": "cosine", "rewards.1.weight": 1.4,
+    "advantage.estimator.name": "gdpo", "advantage.estimator.batch_norm": False,
+    "advantage.estimator.eps": 1e-8, "advantage.estimator.unbiased": True,
+    "loss.bounds.eps": 1e-4, "data.path": "prompts/unigenbench_train.txt",
+}
+# The one-GPU variants of the full fine-tunes: LoRA r128 / alpha 256 over bf16 weights
+# (Pref-GRPO scripts/finetune_prefgrpo_flux_lora.sh), lr stays 1e-5.
+FLUX_LORA = {"model.finetune": "lora", "model.dtype": "bfloat16", "model.lora.rank": 128,
+             "model.lora.alpha": 256, "optim.lr": 1e-5}
+
+PINS: dict[str, dict[str, Any]] = {
+    "flow_grpo": {**SD35M, **PICKSCORE, **GLOBAL_STD, "plan.name": "full_sde", "plan.train_fraction": 0.99,
+                  "loss.bounds.eps": 1e-4, "loss.kl.estimator": "flow_grpo", "loss.kl.coef": 0.01,
+                  "edges.drop_zero_advantage": True},
+    "flow_grpo_fast": {**SD35M, **PICKSCORE, **GLOBAL_STD, "sampler.sde_kernel.a": 0.8, "sampler.share_noise": True,
+                       "plan.name": "window", "plan.size": 2, "plan.schedule": "random", "plan.range_end": 7,
+                       "loss.bounds.eps": 1e-5, "loss.kl.coef": 0.0},
+    "grpo_guard": {**SD35M, **PICKSCORE, **GLOBAL_STD, "plan.name": "full_sde", "plan.train_fraction": 0.99,
+                   "loss.ratio.name": "ratio_norm", "loss.step_weighting.name": "inv_dt",
+                   "loss.bounds.eps": 1e-4,          # GUESS (Pref-GRPO's RatioNorm clip)
+                   "loss.kl.estimator": "flow_grpo", "loss.kl.coef": 0.01},  # GUESS (Flow-GRPO PickScore beta)
+    "tempflow_grpo": {**SD35M, **PICKSCORE, "iterations": 1000, "plan.name": "branch_points", "plan.k": 6, "plan.fraction": 0.99,
+                      "group_size": 4, "prompts_per_iteration": 8,
+                      "advantage.estimator.name": "sibling", "advantage.estimator.eps": 1e-4,
+                      "advantage.estimator.unbiased": False, "loss.step_weighting.name": "noise_aware",
+                      "loss.bounds.eps": 1e-4, "loss.kl.estimator": "gaussian", "loss.kl.coef": 0.001},  # transition std
+    "tp_grpo": {**SD35M, **PICKSCORE, "data.path": "prompts/pickscore_sfw_train.txt",
+                "sampler.sde_kernel.name": "cps", "sampler.sde_kernel.a": 0.7,
+                "plan.name": "probes", "plan.window_start": 0, "plan.window_end": 9,
+                "advantage.estimator.name": "turning_point", "advantage.estimator.eta": 1.0,
+                "advantage.estimator.balance": True, "advantage.estimator.balance_by": "trend",
+                "advantage.estimator.eps": 1e-4, "advantage.estimator.unbiased": False,
+                "loss.bounds.eps": 1e-5, "loss.kl.estimator": "gaussian", "loss.kl.coef": 1e-4},  # CPS std
+    "vgpo": {**SD35M, **PICKSCORE, "plan.name": "probes", "plan.window_start": 0, "plan.window_end": 9, "plan.one_step": True,
+             "advantage.estimator.name": "value_anchored",
+             "advantage.estimator.gamma": 0.95, "advantage.estimator.k": 0.1,   # GUESSES (no public code)
+             "advantage.estimator.absolute_steps": 5,
+             "loss.kl.estimator": "flow_grpo", "loss.kl.coef": 0.01},           # GUESS
+    "adv_grpo": {**SD35M, **GLOBAL_STD, "model.dtype": "bfloat16", "sampler.sde_kernel.a": 0.8,
+                 "sampler.share_noise": True, "group_size": 16, "prompts_per_iteration": 48,
+                 "plan.name": "window", "plan.size": 2, "plan.schedule": "fixed", "plan.start": 0,
+                 "rewards.0.name": "dino_discriminator", "rewards.0.model": "facebook/dinov2-base",
+                 "rewards.1.name": "pickscore", "rewards.1.weight": 0.0,
+                 "adversarial.enabled": True, "adversarial.d_times": 10, "adversarial.lr": 1e-4,
+                 "adversarial.betas": [0.5, 0.999], "loss.bounds.eps": 1e-5, "loss.kl.coef": 0.0},
+    "diffusion_nft": {**SD35M, **PICKSCORE, **GLOBAL_STD, "method": "nft", "sampler.cfg_mode": "none",
+                      "sampler.guidance_scale": 1.0, "plan.name": "ode_only", "plan.solver": "dpm2m",
+                      "train.mini_batches": 1, "nft.beta": 1.0, "nft.adv_max": 5.0, "nft.timestep_fraction": 0.99,
+                      "nft.decay": "linear", "nft.kl_coef": 1e-4, "ema.update_every": 1},
+    "dance_grpo": {**FLUX, **HPS21, **GROUP_UNBIASED, "sampler.num_steps": 16,
+                   "sampler.sde_kernel.name": "dance_sde", "sampler.sde_kernel.eta": 0.3,
+                   "sampler.decode": "last_x0", "group_size": 12, "prompts_per_iteration": 16,
+                   "plan.name": "full_sde", "plan.train_fraction": 1.0,
+                   "edges.per_sample_fraction": 0.6, "edges.exclude_last": True,
+                   "train.mini_batches": 3, "loss.bounds.eps": 1e-4},
+    "mixgrpo": {**FLUX, **MIXGRPO, "plan.iters_per_shift": 25},
+    "mixgrpo_flash": {**FLUX, **MIXGRPO, "plan.schedule": "fixed", "plan.start": 0, "plan.post_solver": "dpm2m"},
+    "branchgrpo": {**FLUX, **HPS21, **TREE, "train.mini_batches": 37},
+    "branchgrpo_mix": {**FLUX, **HPS21, **TREE, "plan.mix_window": 4, "train.mini_batches": 6},
+    "pref_grpo": {**FLUX, **PREF},
+}
+for _name in ("dance_grpo", "mixgrpo", "mixgrpo_flash", "branchgrpo", "branchgrpo_mix", "pref_grpo"):
+    PINS[f"{_name}_lora"] = {**PINS[_name], **FLUX_LORA}
+
+
+def _get(obj: Any, dotted: str) -> Any:
+    """`a.b.0.c` on a pydantic config: fields, then a PartSpec's settings, list indices, dict keys."""
+    for part in dotted.split("."):
+        if isinstance(obj, (list, tuple)):
+            obj = obj[int(part)]
+        elif isinstance(obj, BaseModel) and part in type(obj).model_fields:
+            obj = getattr(obj, part)
+        elif isinstance(obj, PartSpec):
+            if part not in obj.settings:
+                raise KeyError(f"{dotted}: '{obj.name}' has no setting '{part}' (settings {sorted(obj.settings)})")
+            obj = obj.settings[part]
+        elif isinstance(obj, dict):
+            obj = obj[part]
+        else:
+            raise KeyError(f"{dotted}: cannot resolve '{part}' on {type(obj).__name__}")
+    return obj
+
+
+def _same(actual: Any, expected: Any) -> bool:
+    if isinstance(expected, (list, tuple)):
+        return isinstance(actual, (list, tuple)) and len(actual) == len(expected) and all(
+            _same(a, e) for a, e in zip(actual, expected))
+    if isinstance(expected, bool) or expected is None or isinstance(expected, str):
+        return actual == expected and type(actual) is type(expected)
+    if isinstance(expected, (int, float)):
+        return isinstance(actual, (int, float)) and not isinstance(actual, bool) and actual == pytest.approx(expected, rel=1e-12)
+    return actual == expected
+
+
+def _recipes() -> list[str]:
+    return sorted(p.stem for p in REAL_DIR.glob("*.yaml") if not p.name.startswith("_"))
+
+
+def test_every_recipe_is_pinned_and_every_pin_is_a_recipe():
+    assert set(_recipes()) == set(PINS), (
+        f"recipes without pins: {sorted(set(_recipes()) - set(PINS))}; "
+        f"pins without a recipe: {sorted(set(PINS) - set(_recipes()))}")
+
+
+@pytest.mark.parametrize("recipe", sorted(PINS))
+def test_recipe_equals_the_published_run(recipe):
+    cfg = load_t2i_config(REAL_DIR / f"{recipe}.yaml")  # validates every section and cross-check
+    drift = {}
+    for key, expected in PINS[recipe].items():
+        actual = _get(cfg, key)
+        if not _same(actual, expected):
+            drift[key] = (actual, expected)
+    assert not drift, f"{recipe}: keys that moved away from docs/recipes.md (actual, published): {drift}"
+
+
+@pytest.mark.parametrize("recipe", sorted(PINS))
+def test_reward_names_and_settings_exist(recipe):
+    """Scorer names and settings are checked against the registry without building a model."""
+    from reward_models import get_entry
+
+    cfg = load_t2i_config(REAL_DIR / f"{recipe}.yaml")
+    for spec in cfg.rewards:
+        valid = get_entry(spec.name).settings
+        unknown = set(spec.settings) - set(valid)
+        assert not unknown, f"{recipe}: scorer '{spec.name}' has no setting(s) {sorted(unknown)}"
+
+
+@pytest.mark.parametrize("recipe", sorted(r for r in PINS if r.endswith("_lora")))
+def test_lora_variant_differs_from_its_recipe_only_in_the_model(recipe):
+    main = load_t2i_config(REAL_DIR / f"{recipe[:-len('_lora')]}.yaml").model_dump()
+    lora = load_t2i_config(REAL_DIR / f"{recipe}.yaml").model_dump()
+    assert main["model"]["finetune"] == "full" and lora["model"]["finetune"] == "lora"
+    main.pop("model"), lora.pop("model")
+    assert lora == main
+
+
+def _plan(recipe: str, iteration: int, seed: int = 0):
+    cfg = load_t2i_config(REAL_DIR / f"{recipe}.yaml")
+    return build_plan(cfg.plan.name, cfg.sampler.num_steps, iteration, seed, **cfg.plan.settings)
+
+
+def test_trained_steps_of_the_chain_recipes():
+    assert _plan("flow_grpo", 0).trained_steps == list(range(9))                 # int(10 * 0.99)
+    assert _plan("tp_grpo", 0).trained_steps == list(range(9))                   # window (0, 9)
+    assert _plan("adv_grpo", 0).trained_steps == _plan("adv_grpo", 137).trained_steps == [0, 1]
+    starts = {_plan("flow_grpo_fast", it, seed).trained_steps[0] for it in range(200) for seed in (0, 1)}
+    assert starts == set(range(6)), starts                                         # randint(0, 10 // 2)
+    assert all(len(_plan("flow_grpo_fast", it).trained_steps) == 2 for it in range(50))
+    tempflow = _plan("tempflow_grpo", 0)
+    assert [i for i, s in enumerate(tempflow.steps) if s.side_branches == 6] == list(range(9))
+
+
+def test_mixgrpo_window_over_the_published_300_iterations():
+    """GRPOTrainingStates: start 0, +1 every 25 iterations; Flash's script moves it by 0 (fixed at 0-3)."""
+    for it in (0, 24, 25, 299):
+        start = it // 25
+        assert _plan("mixgrpo", it).trained_steps == list(range(start, start + 4)), it
+    for it in (0, 20, 299):
+        flash = _plan("mixgrpo_flash", it)
+        assert flash.trained_steps == [0, 1, 2, 3]
+        assert [s.solver for s in flash.steps[4:]] == ["dpm2m"] * 21 and flash.steps[3].solver == "euler"
+
+
+def test_branchgrpo_trees():
+    tree = _plan("branchgrpo", 0)
+    assert tree.leaves_per_root == 16 and tree.edges_per_root == 218
+    assert tree.trained_steps == list(range(20))
+    assert {i for i, s in enumerate(tree.steps) if s.branch == 2} == {0, 3, 6, 9}
+    assert all(s.noise_scale == 4.0 for s in tree.steps if s.branch == 2)
+    for it in (0, 150, 299):  # the published Mix window never moves: SDE = splits + steps 0..3
+        mix = _plan("branchgrpo_mix", it)
+        assert [i for i, s in enumerate(mix.steps) if s.sde] == [0, 1, 2, 3, 6, 9]
+        width, trained_edges = 1, 0
+        for s in mix.steps:
+            width *= s.branch
+            trained_edges += width if s.trained else 0
+        assert trained_edges == 34
