@@ -38,7 +38,7 @@ class NonFiniteWarning(UserWarning):
 
 
 class GuardConfig(StrictModel):
-    max_bad_updates: int = Field(3, ge=1)   # stop after this many bad iterations / steps in a row
+    max_bad_updates: int = Field(3, ge=1)  # stop after this many bad iterations / steps in a row
 
 
 class NonFiniteGuard:
@@ -85,9 +85,11 @@ class NonFiniteGuard:
         """Raise when a weight is non-finite after a step (finite gradients can still overflow a weight)."""
         for p in params:
             if not bool(torch.isfinite(p.detach()).all()):
-                raise NonFiniteError(f"{self.unit} {index}: a weight became NaN / inf after an optimizer step; "
-                                     "stopped before saving it (the last checkpoint holds finite weights). Lower "
-                                     "optim.lr or set optim.max_grad_norm")
+                raise NonFiniteError(
+                    f"{self.unit} {index}: a weight became NaN / inf after an optimizer step; "
+                    "stopped before saving it (the last checkpoint holds finite weights). Lower "
+                    "optim.lr or set optim.max_grad_norm"
+                )
 
     def end_update(self, record: dict[str, Any], index: int, params: Iterable[torch.Tensor] = ()) -> None:
         """Check the weights; warn about this update's non-finite values; raise after `max_bad_updates` bad
@@ -114,4 +116,5 @@ class NonFiniteGuard:
             raise NonFiniteError(
                 f"stopped at {self.unit} {index}: {self.streak} {self.unit}s in a row without a usable update "
                 f"({'; '.join(problems)}). Check the reward functions / server; the last checkpoint is intact "
-                f"(guards.max_bad_updates={self.config.max_bad_updates})")
+                f"(guards.max_bad_updates={self.config.max_bad_updates})"
+            )

@@ -28,8 +28,10 @@ class Interrupted(KeyboardInterrupt):
     def __init__(self, signum: int, index: int, unit: str):
         self.signum, self.index = signum, index
         self.exit_code = 128 + signum
-        super().__init__(f"stopped by {signal.Signals(signum).name} after {unit} {index}; a checkpoint was saved: "
-                         "run again with resume=true to continue")
+        super().__init__(
+            f"stopped by {signal.Signals(signum).name} after {unit} {index}; a checkpoint was saved: "
+            "run again with resume=true to continue"
+        )
 
 
 class StopRequest:

@@ -57,8 +57,10 @@ def _records(path: Path) -> list[tuple[str, dict[str, Any]]]:
             record = json.loads(line)
         except ValueError:
             if i == len(lines) - 1:
-                warnings.warn(f"{path}: skipping a partial last line (a crash or a full disk mid-write): "
-                              f"{line[:60]!r}", stacklevel=3)
+                warnings.warn(
+                    f"{path}: skipping a partial last line (a crash or a full disk mid-write): {line[:60]!r}",
+                    stacklevel=3,
+                )
                 break
             raise MetricsFileError(f"{path}: line {i + 1} is not JSON: {line[:60]!r}") from None
         out.append((line, record))

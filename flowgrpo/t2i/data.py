@@ -36,8 +36,11 @@ def load_prompt_set(prompts: Optional[list[str]], path: Optional[str], what: str
         return None
     file = Path(path)
     if not file.is_file():
-        hint = ("; the real recipes' prompt sets: python scripts/fetch_prompts.py pickscore (or hpdv2)"
-                if file.parent.name == "prompts" else "")
+        hint = (
+            "; the real recipes' prompt sets: python scripts/fetch_prompts.py pickscore (or hpdv2)"
+            if file.parent.name == "prompts"
+            else ""
+        )
         raise ConfigError(f"{what}: prompt file '{path}' does not exist{hint}")
     if file.suffix == ".jsonl":
         rows, metas = [], []

@@ -79,8 +79,7 @@ class T2ITrainer(RunLoop):
 
             self.ema = EMAModel(self.params, decay=cfg.ema.decay, min_decay=cfg.ema.decay)
         self.optimizer_step = OptimizerStep(
-            self.params, self.optimizer, cfg.optim.max_grad_norm, self.dist, self.ema, cfg.ema.update_every,
-            guard=self.guard,
+            self.params, self.optimizer, cfg.optim.max_grad_norm, self.dist, self.ema, cfg.ema.update_every, self.guard
         )
         self.method = build_method(self)
         self.prompt_sampler = PromptSampler(len(self.prompts), cfg.seed, cfg.data.shuffle)

@@ -152,8 +152,10 @@ class Adapter(abc.ABC):
         patch = self._patch_size()
         if largest and max(h, w) // patch > largest:
             top = largest * patch * self.vae_scale_factor
-            raise ValueError(f"{self.family}: {height}x{width} px is larger than this model takes ({top} px a side); "
-                             "set a smaller height / width")
+            raise ValueError(
+                f"{self.family}: {height}x{width} px is larger than this model takes ({top} px a side); "
+                "set a smaller height / width"
+            )
 
     def image_seq_len(self, height: int, width: int) -> int:
         """Image tokens the denoiser sees (FLUX / Qwen-Image schedules shift with this)."""

@@ -19,10 +19,14 @@ importlib.machinery.PathFinder.find_spec = classmethod(_hidden)
 """
 
 
-def run_cli(*argv: str, cwd: Path, bare: bool = False, timeout: float = 600,
-            env: dict | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    *argv: str, cwd: Path, bare: bool = False, timeout: float = 600, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """`flowgrpo argv...` in `cwd`; returns the finished process (text stdout / stderr)."""
-    code = (_HIDE_TORCHVISION if bare else "") + "import sys\nfrom flowgrpo.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    code = (
+        _HIDE_TORCHVISION if bare else ""
+    ) + "import sys\nfrom flowgrpo.cli import main\nsys.exit(main(sys.argv[1:]))\n"
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), **(env or {})}
-    return subprocess.run([sys.executable, "-c", code, *argv], cwd=cwd, env=full_env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", code, *argv], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
+    )

@@ -21,9 +21,14 @@ CODE = "import sys\nfrom flowgrpo.cli import main\nsys.exit(main(sys.argv[1:]))\
 
 
 def _start(tmp_path: Path, *argv: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", CODE, *argv], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)})
+    return subprocess.Popen(
+        [sys.executable, "-c", CODE, *argv],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)},
+    )
 
 
 def _wait_for_records(metrics: Path, n: int, proc: subprocess.Popen, limit_s: float = 300) -> None:
@@ -39,8 +44,13 @@ def _wait_for_records(metrics: Path, n: int, proc: subprocess.Popen, limit_s: fl
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_text_signal_saves_and_resume_continues(tmp_path, sig):
-    args = ["train-text", str(ROOT / "configs/text/tiny_pattern.yaml"), "progress=false", "checkpoint.every=0",
-            f"output_dir={tmp_path / 'run'}"]
+    args = [
+        "train-text",
+        str(ROOT / "configs/text/tiny_pattern.yaml"),
+        "progress=false",
+        "checkpoint.every=0",
+        f"output_dir={tmp_path / 'run'}",
+    ]
     proc = _start(tmp_path, *args, "steps=200")
     _wait_for_records(tmp_path / "run" / "metrics.jsonl", 2, proc)
     proc.send_signal(sig)
@@ -58,9 +68,16 @@ def test_text_signal_saves_and_resume_continues(tmp_path, sig):
 
 
 def test_t2i_sigterm_saves(tmp_path):
-    proc = _start(tmp_path, "train-t2i", str(ROOT / "configs/t2i/tiny/flow_grpo.yaml"), "progress=false",
-                  "checkpoint.every=0", "iterations=100", "artifacts.tensorboard=false",
-                  f"output_dir={tmp_path / 'run'}")
+    proc = _start(
+        tmp_path,
+        "train-t2i",
+        str(ROOT / "configs/t2i/tiny/flow_grpo.yaml"),
+        "progress=false",
+        "checkpoint.every=0",
+        "iterations=100",
+        "artifacts.tensorboard=false",
+        f"output_dir={tmp_path / 'run'}",
+    )
     _wait_for_records(tmp_path / "run" / "metrics.jsonl", 1, proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=300)

@@ -15,7 +15,7 @@ from reward_models.base import Scorer
 
 from .cli_helpers import ROOT, run_cli
 
-REWARDS = '''
+REWARDS = """
 def huge_on_half(prompts, completions, **kw):
     return [1e38 if i % 2 else 0.5 for i in range(len(completions))]
 
@@ -24,19 +24,29 @@ def nothing(prompts, completions, **kw):
 
 def inf_on_some(prompts, completions, **kw):
     return [float("inf") if i % 4 == 0 else float(c.count("a")) / 32 for i, c in enumerate(completions)]
-'''
+"""
 
 
 def _text(tmp_path: Path, reward: str, *extra: str):
     (tmp_path / "my_rewards.py").write_text(REWARDS)
-    return run_cli("train-text", str(ROOT / "configs/text/tiny_pattern.yaml"), "progress=false",
-                   f"output_dir={tmp_path / 'run'}", f"rewards=[{{name: '{tmp_path / 'my_rewards.py'}:{reward}'}}]",
-                   *extra, cwd=tmp_path)
+    return run_cli(
+        "train-text",
+        str(ROOT / "configs/text/tiny_pattern.yaml"),
+        "progress=false",
+        f"output_dir={tmp_path / 'run'}",
+        f"rewards=[{{name: '{tmp_path / 'my_rewards.py'}:{reward}'}}]",
+        *extra,
+        cwd=tmp_path,
+    )
 
 
 def _all_finite(ckpt) -> bool:
-    return all(bool(torch.isfinite(t).all()) for group in ckpt.tensors.values() for t in group.values()
-               if t.is_floating_point())
+    return all(
+        bool(torch.isfinite(t).all())
+        for group in ckpt.tensors.values()
+        for t in group.values()
+        if t.is_floating_point()
+    )
 
 
 def test_text_huge_rewards_never_step_or_save_and_stop(tmp_path):
@@ -113,10 +123,13 @@ def test_t2i_inf_rewards_are_left_out_with_a_warning(recipe_config):
 def test_t2i_all_nan_rewards_warn_and_stop(recipe_config):
     from flowgrpo.t2i import train_t2i
 
-    cfg = recipe_config("flow_grpo", "iterations=5", "checkpoint.every=1", "guards.max_bad_updates=2",
-                        "rewards=[{name: test_all_nan}]")
-    with pytest.warns(NonFiniteWarning, match="no finite reward"), \
-            pytest.raises(NonFiniteError, match="2 iterations in a row"):
+    cfg = recipe_config(
+        "flow_grpo", "iterations=5", "checkpoint.every=1", "guards.max_bad_updates=2", "rewards=[{name: test_all_nan}]"
+    )
+    with (
+        pytest.warns(NonFiniteWarning, match="no finite reward"),
+        pytest.raises(NonFiniteError, match="2 iterations in a row"),
+    ):
         train_t2i(cfg)
     for path in list_checkpoints(Path(cfg.output_dir) / "checkpoints"):
         assert _all_finite(load_checkpoint(path, restore_rng=False))

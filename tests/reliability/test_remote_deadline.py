@@ -45,7 +45,7 @@ class TricklingServer:
             for i in range(len(data)):
                 if self.stop.is_set():
                     break
-                conn.sendall(data[i:i + 1])
+                conn.sendall(data[i : i + 1])
                 time.sleep(self.every)
         except OSError:
             pass
@@ -91,8 +91,17 @@ def trickling():
 @pytest.mark.parametrize("where", ["body", "headers"])
 def test_deadline_bounds_a_trickling_answer(trickling, where):
     server = trickling(where)
-    scorer = build_scorer({"name": "remote", "url": server.url, "health_check": False, "timeout_s": 30,
-                           "deadline_s": 2.0, "max_attempts": 3, "backoff_s": 0.05})
+    scorer = build_scorer(
+        {
+            "name": "remote",
+            "url": server.url,
+            "health_check": False,
+            "timeout_s": 30,
+            "deadline_s": 2.0,
+            "max_attempts": 3,
+            "backoff_s": 0.05,
+        }
+    )
     err, seconds = _outcome(lambda: scorer(torch.rand(1, 3, 8, 8)))
     assert isinstance(err, RemoteRewardError) and "timed out" in str(err), err
     assert seconds < 3.5
@@ -100,8 +109,17 @@ def test_deadline_bounds_a_trickling_answer(trickling, where):
 
 def test_timeout_bounds_each_whole_attempt(trickling):
     server = trickling("body")
-    scorer = build_scorer({"name": "remote", "url": server.url, "health_check": False, "timeout_s": 1.0,
-                           "max_attempts": 2, "backoff_s": 0.05, "max_backoff_s": 0.05})
+    scorer = build_scorer(
+        {
+            "name": "remote",
+            "url": server.url,
+            "health_check": False,
+            "timeout_s": 1.0,
+            "max_attempts": 2,
+            "backoff_s": 0.05,
+            "max_backoff_s": 0.05,
+        }
+    )
     err, seconds = _outcome(lambda: scorer(torch.rand(1, 3, 8, 8)))
     assert isinstance(err, RemoteRewardError) and "2 attempt" in str(err), err
     assert seconds < 3.5
@@ -109,10 +127,22 @@ def test_timeout_bounds_each_whole_attempt(trickling):
 
 def test_geneval_client_deadline_bounds_a_trickling_detector(trickling):
     server = trickling("body")
-    scorer = build_scorer({"name": "geneval", "url": server.url, "health_check": False, "timeout_s": 30,
-                           "deadline_s": 2.0, "on_failure": "raise"})
-    err, seconds = _outcome(lambda: scorer(torch.rand(1, 3, 8, 8), ["a photo of a cat"],
-                                           {"geneval": [{"tag": "single_object",
-                                                         "include": [{"class": "cat", "count": 1}]}]}))
+    scorer = build_scorer(
+        {
+            "name": "geneval",
+            "url": server.url,
+            "health_check": False,
+            "timeout_s": 30,
+            "deadline_s": 2.0,
+            "on_failure": "raise",
+        }
+    )
+    err, seconds = _outcome(
+        lambda: scorer(
+            torch.rand(1, 3, 8, 8),
+            ["a photo of a cat"],
+            {"geneval": [{"tag": "single_object", "include": [{"class": "cat", "count": 1}]}]},
+        )
+    )
     assert isinstance(err, RemoteRewardError), err
     assert seconds < 3.5

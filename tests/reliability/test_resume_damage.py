@@ -15,8 +15,16 @@ TINY = str(ROOT / "configs/text/tiny_pattern.yaml")
 
 
 def _text(tmp_path: Path, *extra: str):
-    return run_cli("train-text", TINY, "progress=false", f"output_dir={tmp_path / 'run'}", "checkpoint.every=1",
-                   "checkpoint.keep_last=3", *extra, cwd=tmp_path)
+    return run_cli(
+        "train-text",
+        TINY,
+        "progress=false",
+        f"output_dir={tmp_path / 'run'}",
+        "checkpoint.every=1",
+        "checkpoint.keep_last=3",
+        *extra,
+        cwd=tmp_path,
+    )
 
 
 def test_resume_after_a_torn_metrics_line(tmp_path):

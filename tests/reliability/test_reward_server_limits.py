@@ -27,9 +27,13 @@ LIMITS = ["--header-timeout", "1", "--body-timeout", "1", "--idle-timeout", "1",
 def start_server(*args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
     import os
 
-    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts/reward_server.py"), "--scorer", "brightness",
-                             "--port", "0", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "scripts/reward_server.py"), "--scorer", "brightness", "--port", "0", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+    )
     line = proc.stdout.readline()
     assert "serving" in line, proc.stderr.read()
     return proc, line.split(" on ")[1].split()[0]
@@ -108,7 +112,7 @@ def _closed_within(sock: socket.socket, seconds: float, trickle: bytes = b"") ->
     while time.monotonic() - start < seconds:
         try:
             if trickle:
-                sock.sendall(trickle[i % len(trickle):i % len(trickle) + 1])
+                sock.sendall(trickle[i % len(trickle) : i % len(trickle) + 1])
                 i += 1
             sock.settimeout(0.2)
             data = sock.recv(4096)
@@ -175,9 +179,22 @@ def test_token_from_the_environment_on_both_sides(server, monkeypatch):
 
 
 def test_binding_beyond_loopback_needs_a_token():
-    done = subprocess.run([sys.executable, str(ROOT / "scripts/reward_server.py"), "--scorer", "brightness",
-                           "--host", "0.0.0.0", "--port", "0"], capture_output=True, text=True, timeout=60,
-                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts/reward_server.py"),
+            "--scorer",
+            "brightness",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+    )
     assert done.returncode == 2 and "token" in done.stderr.splitlines()[-1]
 
 
