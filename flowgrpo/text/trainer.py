@@ -175,12 +175,12 @@ class TextGRPOTrainer(RunLoop):
     def iterate(self, record: dict[str, Any]) -> None:
         record.update(self.generator.settings)
         batch = self.collector.collect(record, self.step)
-        if batch is not None:  # +-inf -> NaN (left out like None), counted
-            batch = replace(batch, scores=replace(batch.scores, values=self.guard.rewards(record, batch.scores.values)))
         if batch is None:
             log.warning("step %d: dynamic sampling kept no group with reward spread; no update", self.step + 1)
             record["skipped_update"] = 1
             return
+        values = self.guard.rewards(record, batch.scores.values)  # +-inf -> NaN (left out like None), counted
+        batch = replace(batch, scores=replace(batch.scores, values=values))
         counts = {"count/forward_nograd": 0, "count/forward_grad": 0, "backward_passes": 0}
         t0 = time.perf_counter()
         prepared = self._prepare(batch, record, counts)
