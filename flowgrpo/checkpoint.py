@@ -7,8 +7,13 @@ A checkpoint is a folder `step_00000012/` under a root folder:
     optim.<name>.json             optimizer param groups and non-tensor state
     rng.safetensors               torch CPU (and CUDA) generator states, numpy's key array
     state.json                    step, the caller's JSON state (data position, ...), LR scheduler
-                                  states, python and numpy RNG scalars, format version
+                                  states, python and numpy RNG scalars, format version, and the size
+                                  and sha256 of every other file (`files`)
     config.json                   the resolved run config (optional)
+
+Before a resume trusts a checkpoint, `latest_checkpoint(root, verify=True)` checks those sizes and
+hashes; a damaged checkpoint (truncated by a full disk, altered) is skipped with a warning naming it and
+the previous good one is used. Non-finite tensors are refused at save time.
 
 Saving writes everything into a hidden temporary folder next to the target, fsyncs every file and
 the folder, then renames it into place: a crash mid-save leaves the previous checkpoints intact and
@@ -17,6 +22,7 @@ no half-written `step_*` folder. Only the last `keep_last` checkpoints are kept.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -114,9 +120,12 @@ def _save_tensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
 def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-    tensors = load_file(str(path))
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        tensors = load_file(str(path))
+    except Exception as err:  # SafetensorError, OSError: name the file, not just the library's complaint
+        raise CheckpointError(f"{path}: unreadable ({type(err).__name__}: {err})") from None
     for name, target in json.loads(meta.get("aliases", "{}")).items():
         tensors[name] = tensors[target]
     return tensors
@@ -194,10 +203,55 @@ def list_checkpoints(root: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def latest_checkpoint(root: str | Path) -> Optional[Path]:
-    """The newest complete checkpoint under `root`, or None."""
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _manifest(folder: Path) -> dict[str, dict[str, Any]]:
+    return {f.name: {"bytes": f.stat().st_size, "sha256": _file_digest(f)}
+            for f in sorted(folder.iterdir()) if f.is_file() and f.name != "state.json"}
+
+
+def verify_checkpoint(path: str | Path) -> list[str]:
+    """What is wrong with a checkpoint folder (empty when it matches the sizes and hashes recorded at save).
+    Checkpoints written before hashes were recorded are checked for a readable state.json only."""
+    path = Path(path)
+    try:
+        files = _read_json(path / "state.json").get("files")
+    except (OSError, ValueError) as err:
+        return [f"state.json unreadable ({type(err).__name__})"]
+    problems = []
+    for name, want in (files or {}).items():
+        f = path / name
+        if not f.is_file():
+            problems.append(f"{name} is missing")
+        elif f.stat().st_size != want["bytes"]:
+            problems.append(f"{name} has {f.stat().st_size} bytes, {want['bytes']} were saved")
+        elif _file_digest(f) != want["sha256"]:
+            problems.append(f"{name} differs from what was saved (sha256)")
+    return problems
+
+
+def latest_checkpoint(root: str | Path, verify: bool = False) -> Optional[Path]:
+    """The newest complete checkpoint under `root`, or None. With `verify`, the newest one whose files match
+    what was saved: each damaged one is skipped with a warning naming it; CheckpointError when all are."""
     found = list_checkpoints(root)
-    return found[-1] if found else None
+    if not verify:
+        return found[-1] if found else None
+    damaged = []
+    for path in reversed(found):
+        problems = verify_checkpoint(path)
+        if not problems:
+            return path
+        damaged.append(f"{path.name} ({problems[0]})")
+        warnings.warn(f"checkpoint {path} is damaged: {'; '.join(problems)}; trying the one before it", stacklevel=2)
+    if damaged:
+        raise CheckpointError(f"every checkpoint under {root} is damaged: {', '.join(damaged)}")
+    return None
 
 
 def _umask() -> int:
@@ -235,6 +289,7 @@ def save_checkpoint(root: str | Path, step: int, *,
     keep_last:  remove all but the newest `keep_last` checkpoints after a successful save.
     """
     root = Path(root)
+    _refuse_nonfinite(step, tensors, optimizers)  # before anything is written or rotated away
     root.mkdir(parents=True, exist_ok=True)
     target = root / checkpoint_name(step)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=root))
@@ -250,12 +305,14 @@ def save_checkpoint(root: str | Path, step: int, *,
         _save_tensors(rng_tensors, tmp / "rng.safetensors")
         if config is not None:
             _write_json(tmp / "config.json", dict(config))
+        files = _manifest(tmp)  # what a resume verifies before trusting this checkpoint
         _write_json(tmp / "state.json", {  # written last: a folder without it is never a checkpoint
             "format_version": FORMAT_VERSION,
             "step": int(step),
             "state": dict(state or {}),
             "schedulers": {name: s.state_dict() for name, s in (schedulers or {}).items()},
             "rng": rng_scalars,
+            "files": files,
         })
         for f in tmp.iterdir():
             os.chmod(f, 0o666 & ~_umask())
@@ -273,6 +330,19 @@ def save_checkpoint(root: str | Path, step: int, *,
         raise
     _cleanup(root, keep_last)
     return target
+
+
+def _refuse_nonfinite(step: int, tensors: Optional[Mapping[str, Mapping[str, torch.Tensor]]],
+                      optimizers: Optional[Mapping[str, torch.optim.Optimizer]]) -> None:
+    """A NaN / inf weight or optimizer moment is never saved: keep_last would rotate good checkpoints out."""
+    named = [(f"{group}/{name}", t) for group, items in (tensors or {}).items() for name, t in items.items()]
+    named += [(f"optim.{n}/{k}", t) for n, opt in (optimizers or {}).items()
+              for k, t in _optimizer_parts(opt)[0].items()]
+    bad = [name for name, t in named if isinstance(t, torch.Tensor) and t.is_floating_point()
+           and not bool(torch.isfinite(t.detach()).all())]
+    if bad:
+        raise CheckpointError(f"refusing to save step {step}: {len(bad)} tensor(s) hold NaN / inf "
+                              f"({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}); earlier checkpoints kept")
 
 
 def _cleanup(root: Path, keep_last: Optional[int]) -> None:
@@ -329,13 +399,36 @@ def load_checkpoint(path: str | Path, *,
     return Checkpoint(path, int(raw["step"]), tensors, raw["state"], config, raw)
 
 
-def warn_config_changes(now: Mapping[str, Any], saved: Optional[Mapping[str, Any]], free: set[str]) -> None:
-    """Warn (naming the top-level keys) when a resumed run's config differs from its checkpoint's outside `free`."""
+# settings that never change what a resumed run computes
+_ALWAYS_FREE = {"resume", "progress", "num_threads", "guards"}
+_MISSING = object()
+
+
+def _config_diff(now: Any, saved: Any, path: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted key, saved value, new value) for every leaf that differs."""
+    if isinstance(now, Mapping) and isinstance(saved, Mapping):
+        out = []
+        for k in sorted(set(now) | set(saved)):
+            out += _config_diff(now.get(k, _MISSING), saved.get(k, _MISSING), f"{path}.{k}" if path else str(k))
+        return out
+    return [] if now == saved else [(path, saved, now)]
+
+
+def check_resume_config(now: Mapping[str, Any], saved: Optional[Mapping[str, Any]], free: set[str]) -> None:
+    """Refuse (ConfigError, naming each key and both values) a resume whose config differs from the checkpoint's
+    outside the top-level keys in `free`: the checkpoint's optimizer and schedule would silently win over the
+    new value (a resumed `optim.lr=0.001` kept training at the saved 0.03)."""
     if saved is None:
         return
-    changed = sorted(k for k in set(now) | set(saved) if k not in free and now.get(k) != saved.get(k))
+    from .config import ConfigError
+
+    changed = [d for d in _config_diff(dict(now), dict(saved)) if d[0].split(".")[0] not in free | _ALWAYS_FREE]
     if changed:
-        warnings.warn(f"resume: the config differs from the checkpoint's in {changed}", stacklevel=3)
+        show = lambda v: "(unset)" if v is _MISSING else repr(v)  # noqa: E731
+        listed = "; ".join(f"{key}: {show(old)} in the checkpoint, {show(new)} now" for key, old, new in changed[:4])
+        more = f" (and {len(changed) - 4} more)" if len(changed) > 4 else ""
+        raise ConfigError(f"resume: {listed}{more}. A resumed run keeps its settings: drop these overrides, or "
+                          "start a new run (another output_dir)")
 
 
 def load_into(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor], *, strict_keys: bool = True) -> None:

@@ -30,12 +30,37 @@ _Loader.add_implicit_resolver(
 )
 
 
-def parse_yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
-
-
 class ConfigError(ValueError):
     """A config that cannot be used; the message says where and why."""
+
+
+def parse_yaml(text: str, where: str = "YAML") -> Any:
+    """YAML -> Python; a syntax error is a one-line ConfigError with the line and column."""
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{where}: not valid YAML{at}: {problem}") from None
+
+
+def read_text_file(path: str | Path, what: str) -> str:
+    """A UTF-8 text file; a file in another encoding is a one-line ConfigError naming it and the byte."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{what}: {path} is not UTF-8 text (byte {err.start}: {err.object[err.start:err.start + 1]!r}); "
+                          "save it as UTF-8") from None
+
+
+def output_dir_problem(path: str | Path) -> Optional[str]:
+    """Why `path` cannot be an output folder (it, or a folder above it, is a file), or None."""
+    p = Path(path)
+    for q in (p, *p.parents):
+        if q.exists() and not q.is_dir():
+            return f"output_dir '{path}': '{q}' is a file, not a folder"
+    return None
 
 
 def apply_override(data: dict, override: str) -> None:
@@ -54,7 +79,7 @@ def apply_override(data: dict, override: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"override '{override}': '{'.'.join(path[:i + 1])}' is not a section")
         node = child
-    node[path[-1]] = parse_yaml(raw) if raw.strip() else None
+    node[path[-1]] = parse_yaml(raw, f"override '{override}'") if raw.strip() else None
 
 
 def deep_merge(base: dict, update: dict) -> dict:
@@ -74,7 +99,7 @@ def read_yaml_config(p: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         raise ConfigError(f"config file not found: {p}")
     if p.resolve() in _seen:
         raise ConfigError(f"{p}: `base` chain loops back to itself")
-    loaded = parse_yaml(p.read_text()) or {}
+    loaded = parse_yaml(read_text_file(p, "config"), str(p)) or {}
     if not isinstance(loaded, dict):
         raise ConfigError(f"{p}: expected a mapping at the top level, got {type(loaded).__name__}")
     base = loaded.pop("base", None)

@@ -1,9 +1,17 @@
-"""metrics.jsonl: one JSON object per iteration, flushed as it is written so a crash loses nothing."""
+"""metrics.jsonl: one JSON object per iteration, flushed as it is written so a crash loses nothing.
+
+A crash or a full disk mid-write can leave a partial last line: readers skip it (with a warning) and a
+resumed run drops it. Rewrites go to a temporary file renamed over the old one, so a kill during a
+rewrite leaves the old file whole.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -36,17 +44,54 @@ class MetricsWriter:
         self.close()
 
 
+class MetricsFileError(ValueError):
+    """A metrics file damaged before its last line (a torn last line is skipped, not an error)."""
+
+
+def _records(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(line, record) pairs; a torn last line is left out with a warning, damage before it is an error."""
+    lines = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+    out = []
+    for i, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if i == len(lines) - 1:
+                warnings.warn(
+                    f"{path}: skipping a partial last line (a crash or a full disk mid-write): {line[:60]!r}",
+                    stacklevel=3,
+                )
+                break
+            raise MetricsFileError(f"{path}: line {i + 1} is not JSON: {line[:60]!r}") from None
+        out.append((line, record))
+    return out
+
+
+def _replace_atomically(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def truncate_metrics(path: str | Path, last: int, key: str) -> None:
-    """Drop records whose `key` (step / iteration) is past `last`: written after the checkpoint a run resumes from."""
+    """Drop records whose `key` (step / iteration) is past `last` (written after the checkpoint a run resumes
+    from) and a torn last line; the file is replaced atomically."""
     path = Path(path)
     if not path.is_file():
         return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get(key, 0) <= last]
-    path.write_text("".join(line + "\n" for line in kept))
+    kept = [line for line, record in _records(path) if record.get(key, 0) <= last]
+    _replace_atomically(path, "".join(line + "\n" for line in kept))
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [record for _, record in _records(Path(path))]
 
 
 class LossMetrics:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 
 _SCHEMAS = ("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
@@ -60,6 +61,10 @@ class _TorchvisionFinder(importlib.abc.MetaPathFinder):
         if name != "torchvision":
             return None
         sys.meta_path.remove(self)  # once; the nested import below takes the normal path
+        # not installed (it is only in the `clip` extra): say so the way every finder does, with None,
+        # so `importlib.util.find_spec("torchvision")` (transformers' availability check) gives None
+        if importlib.util.find_spec(name) is None:
+            return None
         module = _import_torchvision()
         return importlib.machinery.ModuleSpec(name, _Existing(module), origin=getattr(module, "__file__", None),
                                               is_package=True)

@@ -23,7 +23,7 @@ from .steps import KERNELS, StepOutput, rescore, step
 
 
 class SamplerConfig(StrictModel):
-    num_steps: int = 10
+    num_steps: int = Field(10, ge=1)
     sde_kernel: PartSpec = Field(default_factory=lambda: PartSpec(name="flow_sde"))
     guidance_scale: float = 4.5
     negative_prompt: str = ""                    # the unconditional branch of CFG
@@ -33,8 +33,8 @@ class SamplerConfig(StrictModel):
     # Sigma grid by name: "scheduler" (the model's diffusers scheduler) or {name: time_shift, shift: 3}
     # (DanceGRPO's sd3_time_shift over linspace(1, 0, n+1), which the FLUX GRPO papers use).
     schedule: PartSpec = Field(default_factory=lambda: PartSpec(name="scheduler"))
-    height: int = 32
-    width: int = 32
+    height: int = Field(32, ge=8)                # pixels; the adapter checks its own multiple and maximum
+    width: int = Field(32, ge=8)
     share_noise: bool = False                    # same initial noise for every root of a prompt
     # With share_noise: the roots of a prompt share one noise in blocks of this many (None = all of them). The
     # Flow-GRPO-Fast pipeline draws one noise per call and repeats it to a mini-group (mini_num_image_per_prompt);

@@ -56,9 +56,9 @@ from PIL import Image
 
 from .base import Scorer
 from .registry import register
-from .remote import RETRY_STATUSES, HttpClient, HTTPStatusError, RemoteRewardError
-from .serving import JSONHandler, LocalJSONServer
-from .wire import WireError, decode_png, encode_png
+from .remote import RETRY_STATUSES, HttpClient, HTTPStatusError, RemoteRewardError, resolve_token
+from .serving import JSONHandler, LocalJSONServer, ServerLimits
+from .wire import ImageTooLarge, WireError, decode_png, encode_png
 
 log = logging.getLogger(__name__)
 
@@ -322,7 +322,7 @@ class GenEvalScorer(Scorer):
                  health_check: bool = True, timeout_s: float = 120.0, max_attempts: int = 4, backoff_s: float = 0.5,
                  max_backoff_s: float = 10.0, deadline_s: float | None = None,
                  retry_statuses: Sequence[int] = RETRY_STATUSES, batch_size: int = 16, key: str | None = None,
-                 seed: int | None = None):
+                 seed: int | None = None, token: str | None = None):
         super().__init__(batch_size=batch_size, key=key)
         if on_failure not in FAILURE_POLICIES:
             raise ValueError(f"on_failure must be one of {FAILURE_POLICIES}, got {on_failure!r}")
@@ -330,7 +330,8 @@ class GenEvalScorer(Scorer):
             raise ValueError("need 0 < nms_iou <= 1, max_objects >= 1 and position_margin >= 0")
         self.client = HttpClient(url, timeout_s=timeout_s, max_attempts=max_attempts, backoff_s=backoff_s,
                                  max_backoff_s=max_backoff_s, deadline_s=deadline_s, retry_statuses=retry_statuses,
-                                 seed=seed, counters=self.counters, what="detector server")
+                                 seed=seed, counters=self.counters, what="detector server",
+                                 token=resolve_token(token))
         self.url = self.client.url
         self.metadata_key = metadata_key
         self.metadata_keys = (metadata_key,)
@@ -407,14 +408,15 @@ def build_geneval(*, url: str, metadata_key: str = "geneval", threshold: float =
                   health_check: bool = True, timeout_s: float = 120.0, max_attempts: int = 4, backoff_s: float = 0.5,
                   max_backoff_s: float = 10.0, deadline_s: float | None = None,
                   retry_statuses: Sequence[int] = RETRY_STATUSES, batch_size: int = 16, key: str | None = None,
-                  seed: int | None = None) -> GenEvalScorer:
-    """GenEval rules (counts, colours, positions) over a remote detector: partial score, strict, correct."""
+                  seed: int | None = None, token: str | None = None) -> GenEvalScorer:
+    """GenEval rules (counts, colours, positions) over a remote detector: partial score, strict, correct.
+    `token`: the detector server's bearer token, or `env:NAME`."""
     return GenEvalScorer(url, metadata_key=metadata_key, threshold=threshold, counting_threshold=counting_threshold,
                          max_objects=max_objects, nms_iou=nms_iou, position_margin=position_margin,
                          on_failure=on_failure, health_check=health_check, timeout_s=timeout_s,
                          max_attempts=max_attempts, backoff_s=backoff_s, max_backoff_s=max_backoff_s,
                          deadline_s=deadline_s, retry_statuses=retry_statuses, batch_size=batch_size, key=key,
-                         seed=seed)
+                         seed=seed, token=token)
 
 
 # -- server --------------------------------------------------------------------------------------
@@ -427,9 +429,9 @@ class DetectorServer(LocalJSONServer):
     (one model on one device). Binds 127.0.0.1 unless told otherwise."""
 
     def __init__(self, detect: DetectFn, host: str = "127.0.0.1", port: int = 0, *, name: str = "detector",
-                 max_body_bytes: int = 512 * 2**20):
+                 max_body_bytes: int = 512 * 2**20, limits: ServerLimits | None = None, token: str | None = None):
         self.detect, self.detector_name = detect, name
-        super().__init__(_DetectorHandler, host, port, max_body_bytes)
+        super().__init__(_DetectorHandler, host, port, max_body_bytes, limits, token)
 
 
 class _DetectorHandler(JSONHandler):
@@ -446,14 +448,17 @@ class _DetectorHandler(JSONHandler):
             self._reply(404, {"error": f"unknown path {self.path}; use POST /detect"})
             return
         body = self._read_body()
-        if body is None:
+        payload = None if body is None else self._parse_json(body)
+        if payload is None:
             return
         try:
-            payload = json.loads(body)
-            images = [decode_png(x) for x in payload["images"]]
+            images = [decode_png(x, self.server.limits.max_pixels) for x in payload["images"]]
             classes = payload.get("classes") or [[] for _ in images]
             if len(classes) != len(images):
                 raise WireError(f"{len(classes)} class lists for {len(images)} images")
+        except ImageTooLarge as e:
+            self._reply(413, {"error": str(e)})
+            return
         except (ValueError, KeyError, TypeError, WireError) as e:
             self._reply(400, {"error": f"bad request: {e}"})
             return

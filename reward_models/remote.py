@@ -2,9 +2,11 @@
 
 Failure handling, learnt from the published methods' reward servers (which retried up to 1000 times, stalling
 training for hours, and turned failures into silent zeros):
-- every attempt has a timeout (timeout_s bounds the connect and each socket read, as urllib
-  does); attempts are bounded (max_attempts), and deadline_s bounds the total time of one request
-  including retries (without it: about max_attempts x timeout_s plus the backoffs);
+- every attempt has a timeout: timeout_s bounds the whole attempt (connect, headers and body), so
+  a server that trickles its answer a byte at a time is cut off too; attempts are bounded
+  (max_attempts), and deadline_s bounds the total time of one call including retries (without it:
+  about max_attempts x timeout_s plus the backoffs);
+- `token` sends `Authorization: Bearer <token>` (servers started with --token need it);
 - only transport errors and HTTP 429/502/503/504 are retried, with capped exponential backoff
   and jitter; other statuses are the server's final answer;
 - a server that stays down raises RemoteRewardError naming the URL, the attempts and the time;
@@ -20,7 +22,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import random
+import socket
 import threading
 import time
 import urllib.error
@@ -53,11 +57,74 @@ class HTTPStatusError(Exception):
 
 
 
+class _AttemptClock:
+    """Shuts an attempt's sockets when its time is up. A per-read socket timeout never fires on a server
+    that trickles one byte a second; this bounds the attempt as a whole."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.expired = False
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def watch(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sockets.append(sock)
+            if self.expired:
+                _shut(sock)
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            for sock in self._sockets:
+                _shut(sock)
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in recv; it sees the connection end
+    except OSError:
+        pass
+
+
+def _watched(base: type, clock: _AttemptClock) -> type:
+    class Watched(base):  # type: ignore[valid-type,misc]
+        def connect(self) -> None:
+            super().connect()
+            clock.watch(self.sock)
+
+    return Watched
+
+
+class _WatchedHTTP(urllib.request.HTTPHandler):
+    def __init__(self, clock: _AttemptClock):
+        super().__init__()
+        self.clock = clock
+
+    def http_open(self, req):
+        return self.do_open(_watched(http.client.HTTPConnection, self.clock), req)
+
+
+class _WatchedHTTPS(urllib.request.HTTPSHandler):
+    def __init__(self, clock: _AttemptClock):
+        super().__init__()
+        self.clock = clock
+
+    def https_open(self, req):
+        return self.do_open(_watched(http.client.HTTPSConnection, self.clock), req, context=self._context)
+
+
 class HttpClient:
     """Bounded, retrying HTTP for every remote scorer (reward servers, VLM judges, detectors).
 
-    send() makes at most max_attempts attempts, each with a timeout (timeout_s bounds the connect
-    and each socket read), within deadline_s in total when set. Transport errors and
+    send() makes at most max_attempts attempts, each bounded as a whole by timeout_s (connect, headers
+    and body: a trickling server is cut off), all within deadline_s when set. Transport errors and
     retry_statuses are retried after a capped exponential backoff with jitter; any other HTTP
     error status raises HTTPStatusError at once (the server's final answer); running out of
     attempts or time raises RemoteRewardError naming the URL, the attempts, the time and the last
@@ -71,7 +138,7 @@ class HttpClient:
                  max_backoff_s: float = 10.0, deadline_s: float | None = None,
                  retry_statuses: Sequence[int] = RETRY_STATUSES, seed: int | None = None,
                  headers: dict[str, str] | None = None, counters: Counter | None = None,
-                 what: str = "reward server"):
+                 what: str = "reward server", token: str | None = None):
         parsed = urllib.parse.urlparse(url)
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
             raise ValueError(f"{what} url must be http(s)://host[:port], got {url!r}")
@@ -83,13 +150,14 @@ class HttpClient:
         self.deadline_s = None if deadline_s is None else float(deadline_s)
         self.retry_statuses = frozenset(int(s) for s in retry_statuses)
         self.headers = dict(headers or {})
+        if token:
+            self.headers["Authorization"] = f"Bearer {token}"
         self.counters = counters if counters is not None else Counter()
         self.what = what
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         # Loopback never goes through an environment proxy; other hosts follow the environment.
-        handlers = [urllib.request.ProxyHandler({})] if parsed.hostname in _LOOPBACK else []
-        self._opener = urllib.request.build_opener(*handlers)
+        self._handlers = [urllib.request.ProxyHandler({})] if parsed.hostname in _LOOPBACK else []
 
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -120,9 +188,14 @@ class HttpClient:
             attempts += 1
             self.count("attempts")
             request = urllib.request.Request(url, data=body, method=method, headers=headers)
+            clock = _AttemptClock(timeout)
+            opener = urllib.request.build_opener(*self._handlers, _WatchedHTTP(clock), _WatchedHTTPS(clock))
             try:
-                with self._opener.open(request, timeout=timeout) as response:
-                    return response.read()
+                with opener.open(request, timeout=timeout) as response:
+                    data = response.read()
+                if clock.expired:  # the shut socket can look like a short, complete body
+                    raise TimeoutError(f"no complete answer within {timeout:.3g}s")
+                return data
             except urllib.error.HTTPError as e:
                 detail = _error_detail(e)
                 if e.code not in self.retry_statuses:
@@ -130,7 +203,10 @@ class HttpClient:
                 last = f"HTTP {e.code}: {detail}"
             except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
                 reason = getattr(e, "reason", e)
-                last = f"{type(reason).__name__}: {reason}"
+                last = (f"timed out: no complete answer within {timeout:.3g}s" if clock.expired
+                        else f"{type(reason).__name__}: {reason}")
+            finally:
+                clock.cancel()
             if attempts < self.max_attempts:
                 wait = min(self.backoff(attempts), deadline - time.monotonic())
                 if wait <= 0:
@@ -160,13 +236,15 @@ class RemoteScorer(Scorer):
     def __init__(self, url: str, *, timeout_s: float = 120.0, max_attempts: int = 4, backoff_s: float = 0.5,
                  max_backoff_s: float = 10.0, deadline_s: float | None = None,
                  retry_statuses: Sequence[int] = RETRY_STATUSES, on_bad_response: str = "raise",
-                 health_check: bool = True, batch_size: int = 16, key: str | None = None, seed: int | None = None):
+                 health_check: bool = True, batch_size: int = 16, key: str | None = None, seed: int | None = None,
+                 token: str | None = None):
         super().__init__(batch_size=batch_size, key=key)
         if on_bad_response not in BAD_RESPONSE_POLICIES:
             raise ValueError(f"on_bad_response must be one of {BAD_RESPONSE_POLICIES}, got {on_bad_response!r}")
         self.client = HttpClient(url, timeout_s=timeout_s, max_attempts=max_attempts, backoff_s=backoff_s,
                                  max_backoff_s=max_backoff_s, deadline_s=deadline_s,
-                                 retry_statuses=retry_statuses, seed=seed, counters=self.counters)
+                                 retry_statuses=retry_statuses, seed=seed, counters=self.counters,
+                                 token=resolve_token(token))
         self.url = self.client.url
         self.on_bad_response = on_bad_response
         self.health_check = health_check
@@ -239,6 +317,17 @@ class RemoteScorer(Scorer):
         return out
 
 
+def resolve_token(token: str | None) -> str | None:
+    """A bearer token as configured: the value itself, or `env:NAME` (kept out of config files and logs)."""
+    if token is None or not token.startswith("env:"):
+        return token
+    name = token[4:]
+    value = os.environ.get(name)
+    if not value:
+        raise ValueError(f"token: environment variable {name} is not set")
+    return value
+
+
 def _error_detail(e: urllib.error.HTTPError) -> str:
     try:
         text = e.read(500).decode("utf-8", "replace")
@@ -255,9 +344,10 @@ def build_remote(*, url: str, timeout_s: float = 120.0, max_attempts: int = 4, b
                  max_backoff_s: float = 10.0, deadline_s: float | None = None,
                  retry_statuses: Sequence[int] = RETRY_STATUSES, on_bad_response: str = "raise",
                  health_check: bool = True, batch_size: int = 16, key: str | None = None,
-                 seed: int | None = None) -> RemoteScorer:
-    """Any HTTP reward server speaking reward_models.wire (see scripts/reward_server.py)."""
+                 seed: int | None = None, token: str | None = None) -> RemoteScorer:
+    """Any HTTP reward server speaking reward_models.wire (see scripts/reward_server.py); `token`: the
+    server's bearer token, or `env:NAME` to read it from an environment variable."""
     return RemoteScorer(url, timeout_s=timeout_s, max_attempts=max_attempts, backoff_s=backoff_s,
                         max_backoff_s=max_backoff_s, deadline_s=deadline_s, retry_statuses=retry_statuses,
                         on_bad_response=on_bad_response, health_check=health_check, batch_size=batch_size,
-                        key=key, seed=seed)
+                        key=key, seed=seed, token=token)

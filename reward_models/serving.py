@@ -3,20 +3,70 @@
 Standard library only (http.server.ThreadingHTTPServer). Requests are parsed in parallel threads;
 scoring is serialised by a lock, since one model on one device is not made faster by concurrent
 forwards and most models are not thread-safe. Binds 127.0.0.1 unless told otherwise.
-Status codes: 400 malformed request, 404 unknown path, 411/413 missing or too large body,
-500 the scorer failed (the message is returned as {"error": ...}).
+Status codes: 400 malformed request (also JSON nested too deeply), 401 missing or wrong bearer token,
+404 unknown path, 411/413 missing or too large body, 413 an image over `max_pixels` (refused from its
+PNG header, before decoding), 503 over `max_connections` open connections, 500 the scorer failed (the
+message is returned as {"error": ...}).
+
+Limits (ServerLimits): the request line and headers must arrive within `header_timeout_s` and the body
+within `body_timeout_s` of them, however slowly the bytes trickle (a watchdog shuts the socket); a
+connection silent for `idle_timeout_s` is closed.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
+import socket
 import threading
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Optional
 
 from .base import Scorer
-from .wire import WireError, decode_request, encode_scores
+from .wire import ImageTooLarge, WireError, decode_request, encode_scores, parse_json
 
 MAX_BODY_BYTES = 512 * 2**20
+_BUSY_BODY = b'{"error": "too many open connections; retry"}'
+_BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+         b"Content-Length: " + str(len(_BUSY_BODY)).encode() + b"\r\nConnection: close\r\n\r\n" + _BUSY_BODY)
+
+
+@dataclass
+class ServerLimits:
+    """What one client may cost the server."""
+
+    max_body_bytes: int = MAX_BODY_BYTES
+    max_pixels: int = 4096 * 4096          # per image, read from the PNG header before decoding
+    header_timeout_s: float = 10.0         # request line + headers, in total
+    body_timeout_s: float = 120.0          # the whole body, in total
+    idle_timeout_s: float = 30.0           # any single wait for bytes (and an idle connection)
+    max_connections: int = 64              # open at once; more are answered 503 (the client retries)
+
+
+class _Watchdog:
+    """Shuts a connection's socket when the current phase (headers, body) runs past its time."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self._timer: Optional[threading.Timer] = None
+
+    def arm(self, seconds: float) -> None:
+        self.disarm()
+        self._timer = threading.Timer(seconds, self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _fire(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 class LocalJSONServer(ThreadingHTTPServer):
@@ -25,10 +75,30 @@ class LocalJSONServer(ThreadingHTTPServer):
 
     daemon_threads = True  # a hung client never keeps the process alive
 
-    def __init__(self, handler: type, host: str, port: int, max_body_bytes: int):
-        self.max_body_bytes = max_body_bytes
+    def __init__(self, handler: type, host: str, port: int, max_body_bytes: int,
+                 limits: Optional[ServerLimits] = None, token: Optional[str] = None):
+        self.limits = limits or ServerLimits(max_body_bytes=max_body_bytes)
+        self.max_body_bytes = self.limits.max_body_bytes
+        self.token = token or None
         self.lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(self.limits.max_connections)
         super().__init__((host, port), handler)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):  # over the connection cap: answer at once and close
+            try:
+                request.sendall(_BUSY)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
     @property
     def url(self) -> str:
@@ -45,11 +115,45 @@ class LocalJSONServer(ThreadingHTTPServer):
 class JSONHandler(BaseHTTPRequestHandler):
     server: LocalJSONServer
 
-    def _reply(self, status: int, payload: dict) -> None:
+    def setup(self) -> None:
+        self.timeout = self.server.limits.idle_timeout_s  # StreamRequestHandler sets it on the socket
+        super().setup()
+        self._watchdog = _Watchdog(self.connection)
+
+    def handle_one_request(self) -> None:
+        self._watchdog.arm(self.server.limits.header_timeout_s)  # each request's line + headers, kept-alive too
+        super().handle_one_request()
+
+    def finish(self) -> None:
+        self._watchdog.disarm()
+        super().finish()
+
+    def parse_request(self) -> bool:
+        """After the headers: the body's clock starts, and the bearer token (if the server has one) is checked
+        before any handler runs."""
+        if not super().parse_request():
+            return False
+        self._watchdog.arm(self.server.limits.body_timeout_s)
+        expected = self.server.token
+        if expected is not None:
+            given = self.headers.get("Authorization", "")
+            scheme, _, value = given.partition(" ")
+            ok = scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), expected.encode())
+            if not ok:
+                self.close_connection = True
+                self._reply(401, {"error": "missing or wrong bearer token (Authorization: Bearer <token>)"},
+                            {"WWW-Authenticate": "Bearer"})
+                return False
+        return True
+
+    def _reply(self, status: int, payload: dict, headers: Optional[dict] = None) -> None:
+        self._watchdog.disarm()  # the request is in; a slow reader of the answer meets the idle timeout
         body = json.dumps(payload, allow_nan=False).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(body)
 
@@ -62,14 +166,28 @@ class JSONHandler(BaseHTTPRequestHandler):
         if int(length) > self.server.max_body_bytes:
             self._reply(413, {"error": f"body over {self.server.max_body_bytes} bytes; send smaller batches"})
             return None
-        return self.rfile.read(int(length))
+        body = self.rfile.read(int(length))
+        if len(body) < int(length):  # the watchdog (or the client) closed it mid-body
+            self.close_connection = True
+            return None
+        self._watchdog.disarm()
+        return body
+
+    def _parse_json(self, body: bytes):
+        """The JSON body, or None after answering 400 (malformed, or nested too deeply)."""
+        try:
+            return parse_json(body)
+        except ValueError as e:  # WireError and json errors
+            self._reply(400, {"error": f"bad request: {e}"})
+            return None
 
 
 class RewardServer(LocalJSONServer):
     def __init__(self, scorer: Scorer, host: str = "127.0.0.1", port: int = 0, *,
-                 max_body_bytes: int = MAX_BODY_BYTES, verbose: bool = False):
+                 max_body_bytes: int = MAX_BODY_BYTES, verbose: bool = False,
+                 limits: Optional[ServerLimits] = None, token: Optional[str] = None):
         self.scorer, self.verbose = scorer, verbose
-        super().__init__(RewardHandler, host, port, max_body_bytes)
+        super().__init__(RewardHandler, host, port, max_body_bytes, limits, token)
 
     def health_info(self) -> dict:
         s = self.scorer
@@ -92,8 +210,14 @@ class RewardHandler(JSONHandler):
         body = self._read_body()
         if body is None:
             return
+        payload = self._parse_json(body)
+        if payload is None:
+            return
         try:
-            images, prompts, metadata = decode_request(json.loads(body))
+            images, prompts, metadata = decode_request(payload, self.server.limits.max_pixels)
+        except ImageTooLarge as e:
+            self._reply(413, {"error": str(e)})
+            return
         except (ValueError, WireError) as e:  # json errors are ValueErrors
             self._reply(400, {"error": f"bad request: {e}"})
             return

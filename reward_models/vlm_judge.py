@@ -50,7 +50,7 @@ from PIL import Image
 
 from .base import PairwiseScorer, Scorer
 from .registry import register
-from .remote import BAD_RESPONSE_POLICIES, RETRY_STATUSES, HttpClient, HTTPStatusError, RemoteRewardError
+from .remote import BAD_RESPONSE_POLICIES, RETRY_STATUSES, HttpClient, HTTPStatusError, RemoteRewardError, resolve_token
 
 log = logging.getLogger(__name__)
 
@@ -170,10 +170,10 @@ class JudgeClient:
         if model is None and not health_check:
             raise ValueError("set `model` (the served model name) when health_check is off; the health check "
                              "would otherwise pick the first model the server lists")
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # api_key is the judge server's bearer token (a value, or env:NAME)
         self.http = HttpClient(_base_url(url), timeout_s=timeout_s, max_attempts=max_attempts, backoff_s=backoff_s,
                                max_backoff_s=max_backoff_s, deadline_s=deadline_s, retry_statuses=retry_statuses,
-                               seed=seed, headers=headers, counters=counters, what="VLM judge")
+                               seed=seed, counters=counters, what="VLM judge", token=resolve_token(api_key))
         self.model = model
         self.concurrency = int(concurrency)
         self.max_tokens, self.temperature = int(max_tokens), float(temperature)
@@ -370,6 +370,12 @@ class PairwiseVLMJudge(PairwiseScorer):
         self.client.close()
 
 
+def _bearer(api_key: str | None, token: str | None) -> str | None:
+    if api_key and token and api_key != token:
+        raise ValueError("set `token` or `api_key` (the same bearer token), not two different ones")
+    return api_key or token
+
+
 def _client_settings(url, model, api_key, timeout_s, max_attempts, backoff_s, max_backoff_s, deadline_s,
                      retry_statuses, concurrency, max_tokens, temperature, image_format, jpeg_quality, max_side,
                      request_params, on_bad_response, health_check, seed) -> dict:
@@ -391,9 +397,10 @@ def build_vlm_judge(*, url: str, model: str | None = None, api_key: str | None =
                     max_attempts: int = 4, backoff_s: float = 0.5, max_backoff_s: float = 10.0,
                     deadline_s: float | None = None, retry_statuses: Sequence[int] = RETRY_STATUSES,
                     on_bad_response: str = "nan", health_check: bool = True, batch_size: int = 64,
-                    key: str | None = None, seed: int | None = None) -> VLMJudge:
-    """VLM judge over an OpenAI-compatible endpoint: a parsed score, normalised to [0, 1]."""
-    client = _client_settings(url, model, api_key, timeout_s, max_attempts, backoff_s, max_backoff_s, deadline_s,
+                    key: str | None = None, seed: int | None = None, token: str | None = None) -> VLMJudge:
+    """VLM judge over an OpenAI-compatible endpoint: a parsed score, normalised to [0, 1]. `token` (or its
+    OpenAI name `api_key`): the server's bearer token, a value or `env:NAME`."""
+    client = _client_settings(url, model, _bearer(api_key, token), timeout_s, max_attempts, backoff_s, max_backoff_s, deadline_s,
                               retry_statuses, concurrency, max_tokens, temperature, image_format, jpeg_quality,
                               max_side, request_params, on_bad_response, health_check, seed)
     return VLMJudge(template=template, score_pattern=score_pattern, score_min=score_min, score_max=score_max,
@@ -409,9 +416,10 @@ def build_vlm_judge_pairwise(*, url: str, model: str | None = None, api_key: str
                              max_attempts: int = 4, backoff_s: float = 0.5, max_backoff_s: float = 10.0,
                              deadline_s: float | None = None, retry_statuses: Sequence[int] = RETRY_STATUSES,
                              on_bad_response: str = "nan", health_check: bool = True, batch_size: int = 64,
-                             seed: int | None = None) -> PairwiseVLMJudge:
-    """Pairwise VLM judge (UnifiedReward-Think protocol): P(a beats b), 0.5 when undecided."""
-    client = _client_settings(url, model, api_key, timeout_s, max_attempts, backoff_s, max_backoff_s, deadline_s,
+                             seed: int | None = None, token: str | None = None) -> PairwiseVLMJudge:
+    """Pairwise VLM judge (UnifiedReward-Think protocol): P(a beats b), 0.5 when undecided. `token` / `api_key`:
+    the server's bearer token, a value or `env:NAME`."""
+    client = _client_settings(url, model, _bearer(api_key, token), timeout_s, max_attempts, backoff_s, max_backoff_s, deadline_s,
                               retry_statuses, concurrency, max_tokens, temperature, image_format, jpeg_quality,
                               max_side, request_params, on_bad_response, health_check, seed)
     return PairwiseVLMJudge(template=template, both_orders=both_orders, batch_size=batch_size, **client)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import json
 import math
 from typing import Any
 
@@ -31,20 +32,51 @@ class WireError(ValueError):
     """A request or response that does not follow the wire format."""
 
 
+class ImageTooLarge(WireError):
+    """An image whose header declares more pixels than the server accepts (answered 413, never decoded)."""
+
+
+MAX_JSON_DEPTH = 64  # the wire format nests 4 levels; metadata gets room, a 100,000-deep `[[[...` does not
+
+
+def parse_json(body: bytes | str, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """json.loads that refuses documents nested deeper than `max_depth` with a WireError (no RecursionError)."""
+    try:
+        value = json.loads(body)
+    except RecursionError:
+        raise WireError(f"JSON nested deeper than {max_depth} levels") from None
+    stack = [(value, 1)]
+    while stack:  # iterative: checking the depth must not recurse either
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        for child in children:
+            if isinstance(child, (dict, list)):
+                if depth + 1 > max_depth:
+                    raise WireError(f"JSON nested deeper than {max_depth} levels")
+                stack.append((child, depth + 1))
+    return value
+
+
 def encode_png(image: Image.Image) -> str:
     buf = io.BytesIO()
     image.save(buf, format="PNG", compress_level=1)  # lossless either way; level 1 is fast
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def decode_png(data: Any) -> Image.Image:
+def decode_png(data: Any, max_pixels: int | None = None) -> Image.Image:
+    """A base64 PNG -> RGB image. With `max_pixels`, the size in the PNG header is checked before any pixel
+    is decoded (a 435 KB PNG can declare 12000 x 12000 pixels): ImageTooLarge."""
     if not isinstance(data, str):
         raise WireError(f"an image must be a base64 PNG string, got {type(data).__name__}")
     try:
         raw = base64.b64decode(data, validate=True)
-        image = Image.open(io.BytesIO(raw))
+        image = Image.open(io.BytesIO(raw))  # reads the header only
         if image.format != "PNG":
             raise WireError(f"images must be PNG, got {image.format}")
+        width, height = image.size
+        if max_pixels is not None and width * height > max_pixels:
+            raise ImageTooLarge(f"image of {width} x {height} pixels is over the server's limit of {max_pixels} "
+                                "pixels; send smaller images")
         image.load()
     except (binascii.Error, OSError, Image.DecompressionBombError) as e:
         raise WireError(f"undecodable image: {e}") from None
@@ -70,13 +102,13 @@ def encode_value(value: Any) -> Any:
     raise WireError(f"metadata value of type {type(value).__name__} cannot go over the wire")
 
 
-def decode_value(value: Any) -> Any:
+def decode_value(value: Any, max_pixels: int | None = None) -> Any:
     if isinstance(value, dict):
         if set(value) == {PNG_KEY}:
-            return decode_png(value[PNG_KEY])
-        return {k: decode_value(v) for k, v in value.items()}
+            return decode_png(value[PNG_KEY], max_pixels)
+        return {k: decode_value(v, max_pixels) for k, v in value.items()}
     if isinstance(value, list):
-        return [decode_value(v) for v in value]
+        return [decode_value(v, max_pixels) for v in value]
     return value
 
 
@@ -88,10 +120,11 @@ def encode_request(images: ImageBatch, prompts: list[str] | None, metadata: dict
     }
 
 
-def decode_request(payload: Any) -> tuple[list[Image.Image], list[str] | None, dict[str, list]]:
+def decode_request(payload: Any, max_pixels: int | None = None) -> tuple[list[Image.Image], list[str] | None,
+                                                                         dict[str, list]]:
     if not isinstance(payload, dict) or not isinstance(payload.get("images"), list):
         raise WireError("request must be a JSON object with an 'images' list")
-    images = [decode_png(s) for s in payload["images"]]
+    images = [decode_png(s, max_pixels) for s in payload["images"]]
     n = len(images)
     prompts = payload.get("prompts")
     if prompts is not None and (not isinstance(prompts, list) or len(prompts) != n
@@ -103,7 +136,7 @@ def decode_request(payload: Any) -> tuple[list[Image.Image], list[str] | None, d
     for k, v in metadata.items():
         if not isinstance(v, list) or len(v) != n:
             raise WireError(f"metadata '{k}' must be a list of {n} values")
-    return images, prompts, {k: decode_value(v) for k, v in metadata.items()}
+    return images, prompts, {k: decode_value(v, max_pixels) for k, v in metadata.items()}
 
 
 def encode_scores(scores: dict[str, torch.Tensor], key: str) -> dict:

@@ -7,12 +7,18 @@
 
 --set values are parsed as JSON when they parse (numbers, true, lists) and kept as strings
 otherwise. Clients: reward_models.remote.RemoteScorer, or build_scorer({"name": "remote", "url": ...}).
+
+Beyond this machine, only with a token: `--host 0.0.0.0` is refused unless a bearer token is set
+(`--token` or the FLOWGRPO_REWARD_TOKEN environment variable; clients send it with `token: env:NAME`).
+    FLOWGRPO_REWARD_TOKEN=$(openssl rand -hex 16) python scripts/reward_server.py --scorer pickscore --host 0.0.0.0
+Limits (each a flag): pixels per image, body size, header / body / idle timeouts, open connections.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -41,20 +47,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
     parser.add_argument("--port", type=int, default=8123, help="port (0 picks a free one)")
     parser.add_argument("--max-body-mb", type=int, default=512, help="largest accepted request body")
+    parser.add_argument("--max-megapixels", type=float, default=16.8,
+                        help="largest image, in millions of pixels, read from the PNG header (413 above it)")
+    parser.add_argument("--header-timeout", type=float, default=10.0, help="seconds for request line + headers")
+    parser.add_argument("--body-timeout", type=float, default=120.0, help="seconds for a whole request body")
+    parser.add_argument("--idle-timeout", type=float, default=30.0, help="seconds of silence before closing")
+    parser.add_argument("--max-connections", type=int, default=64, help="open connections (503 above it)")
+    parser.add_argument("--token", default=None,
+                        help="require `Authorization: Bearer TOKEN` (default: $FLOWGRPO_REWARD_TOKEN if set)")
     parser.add_argument("--verbose", action="store_true", help="log every request")
     args = parser.parse_args(argv)
+    token = args.token or os.environ.get("FLOWGRPO_REWARD_TOKEN") or None
+    if args.host not in ("127.0.0.1", "localhost", "::1") and token is None:
+        parser.error(f"--host {args.host} serves beyond this machine: set a token (--token or FLOWGRPO_REWARD_TOKEN)")
 
     try:
         import reward_models  # noqa: F401
     except ImportError:  # running from a checkout without an install
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from reward_models.registry import build_scorer
-    from reward_models.serving import make_server
+    from reward_models.serving import ServerLimits, make_server
 
+    limits = ServerLimits(max_body_bytes=args.max_body_mb * 2**20, max_pixels=int(args.max_megapixels * 1e6),
+                          header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                          idle_timeout_s=args.idle_timeout, max_connections=args.max_connections)
     scorer = build_scorer({"name": args.scorer, **parse_settings(args.config, args.sets)})
-    server = make_server(scorer, args.host, args.port, max_body_bytes=args.max_body_mb * 2**20,
-                         verbose=args.verbose)
-    print(f"serving {args.scorer} (key {scorer.key}) on {server.url}", flush=True)
+    server = make_server(scorer, args.host, args.port, limits=limits, token=token, verbose=args.verbose)
+    print(f"serving {args.scorer} (key {scorer.key}) on {server.url}"
+          f"{' (bearer token required)' if token else ''}", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

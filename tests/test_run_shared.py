@@ -11,6 +11,7 @@ import torch
 
 from flowgrpo.core import ESTIMATORS
 from flowgrpo.distributed import Distributed
+from flowgrpo.guards import GuardConfig, NonFiniteGuard, NonFiniteWarning
 from flowgrpo.run import FirstPassCheck, OnPolicyRatioWarning, OptimConfig, OptimizerStep, build_optimizer
 
 
@@ -52,6 +53,25 @@ def test_optimizer_step_clips_counts_and_zeroes():
         "grad_norm_max": pytest.approx(5.0),
     }
     assert scheduler.get_last_lr() == [pytest.approx(0.1)] and not math.isnan(float(p.detach().sum()))
+
+
+def test_optimizer_step_with_a_guard_never_steps_on_a_nan_gradient():
+    p = torch.nn.Parameter(torch.ones(3))
+    optimizer, _ = build_optimizer([p], OptimConfig(lr=0.1), 10, fused=False)
+    guard = NonFiniteGuard(GuardConfig(max_bad_updates=5), "step")
+    step = OptimizerStep([p], optimizer, 1.0, Distributed(), guard=guard)
+    step.begin()
+    p.grad = torch.tensor([math.nan, 1.0, 0.0])
+    assert math.isnan(step())
+    assert torch.equal(p.detach(), torch.ones(3)) and p.grad is None and step.total == 0
+    assert optimizer.state_dict()["state"] == {}  # no AdamW moment saw the NaN
+    p.grad = torch.tensor([1.0, 1.0, 1.0])
+    step()
+    assert step.total == 1 and bool(torch.isfinite(p.detach()).all()) and not torch.equal(p.detach(), torch.ones(3))
+    record: dict = {}
+    with pytest.warns(NonFiniteWarning, match="1 optimizer step"):
+        guard.end_update(record, 1, [p])
+    assert record["guard/skipped_steps"] == 1 and record["guard/bad_streak"] == 1
 
 
 def test_image_methods_are_registered_plugins():

@@ -72,6 +72,10 @@ def generate_images(cfg: GenerateInput, run_dir: str | Path, progress: bool = Tr
         adapter = build_model(cfg)
     elif cfg.lora is not None:
         raise EvaluationError("pass either an adapter or generate.lora, not both")
+    try:
+        adapter.check_resolution(cfg.height, cfg.width)
+    except ValueError as err:
+        raise EvaluationError(f"input.generate: {err}") from None
     sampler = Sampler(SamplerConfig(num_steps=cfg.num_steps, guidance_scale=cfg.guidance_scale, cfg_mode=cfg.cfg_mode,
                                     shift=cfg.shift, height=cfg.height, width=cfg.width))
     plan = build_plan("ode_only", cfg.num_steps, solver=cfg.solver)

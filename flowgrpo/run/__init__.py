@@ -1,7 +1,8 @@
 """What both trainers share: the run loop, the optimizer step, the on-policy check, prompt order, configs.
 
-loop         RunLoop: process setup, checkpoints and resume, metrics.jsonl, progress, evaluation hooks
-optim        AdamW + LR schedule; OptimizerStep (all-reduce, clip, step, EMA)
+loop         RunLoop: process setup, checkpoints and (verified) resume, metrics.jsonl, progress, evaluation hooks,
+             the non-finite guard's verdict per step, SIGINT / SIGTERM (finish the step, save, stop)
+optim        AdamW + LR schedule; OptimizerStep (all-reduce, clip, skip a NaN / inf gradient, step, EMA)
 ema          ScheduledEMA: the EMA of the trained weights on its configured schedule
 ratio_check  FirstPassCheck and OnPolicyRatioWarning
 prompts      PromptSampler (seeded epochs, resumable)

@@ -28,7 +28,7 @@ class RatioCheckConfig(StrictModel):
 
 
 class CheckpointConfig(StrictModel):
-    every: int = Field(0, ge=0)  # steps between checkpoints; 0 = only at the end
+    every: int = Field(10, ge=0)  # steps between checkpoints; 0 = only at the end (and on SIGINT / SIGTERM)
     keep_last: int = Field(2, ge=1)
     dir: Optional[str] = None  # default: <output_dir>/checkpoints
     save_final_model: bool = True  # the trained weights in their library's format at the end

@@ -5,12 +5,16 @@ policy through `self.optimizer_step`), the tensors and state its checkpoints hol
 and the final model. The loop owns the order of everything else:
 
     __init__   prepare_process (seeds, threads) -> output folder -> refuse to overwrite an earlier run
-    train()    config.yaml -> [evaluate "before"] -> per step: train_step() -> [evaluate] -> metrics.jsonl
-               -> [checkpoint] -> progress bar ... -> [evaluate "after", final model]
-    train_step() record {unit, lr} -> iterate(record) -> LR schedule -> step += 1
+               -> the non-finite guard (`self.guard`, flowgrpo.guards)
+    train()    config.yaml -> [evaluate "before"] -> SIGINT / SIGTERM handlers -> per step: train_step()
+               -> [evaluate] -> metrics.jsonl -> [checkpoint] -> progress bar -> [stop on a signal] ...
+               -> [evaluate "after", final model]
+    train_step() record {unit, lr} -> iterate(record) -> LR schedule -> step += 1 -> guard.end_update
 
-Save points: `save()` (every `checkpoint.every` steps and at the end of the run) and the interrupt save in
-`train()`; nothing else writes a checkpoint.
+Save points: `save()`, every `checkpoint.every` steps, at the end of the run, and after the step in progress
+when SIGINT / SIGTERM arrives (flowgrpo.interrupts: the step finishes, every rank saves the same step, the run
+stops with 128 + the signal and a resume hint); nothing else writes a checkpoint. A trainer's `iterate` passes
+its rewards through `self.guard.rewards` and builds its `OptimizerStep` with `guard=self.guard`.
 """
 
 from __future__ import annotations
@@ -24,12 +28,15 @@ from typing import Any, Optional
 
 import torch
 
-from ..checkpoint import Checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint, warn_config_changes
+from ..checkpoint import Checkpoint, check_resume_config, latest_checkpoint, load_checkpoint, save_checkpoint
 from ..config import ConfigError, dump_config
 from ..distributed import Distributed
+from ..guards import NonFiniteGuard
+from ..interrupts import StopRequest
 from ..metrics import MetricsWriter, truncate_metrics
 from ..process import prepare_process
 from .config import CheckpointConfig
+from .optim import OptimizerStep
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +52,16 @@ class CheckpointParts:
 
 class RunLoop:
     """The shared loop. Subclasses set `unit` (the record key counting steps), `resume_free` (config keys that
-    may change across a resume without a warning), `optimizer`, `scheduler` and `optimizer_step`."""
+    may change across a resume), `nan_reward_is_missing` (NaN rewards mean "not applicable", not a failed
+    score), `optimizer`, `scheduler` and `optimizer_step`."""
 
     unit = "step"
     progress_label = "train"
     resume_free: frozenset[str] = frozenset()
+    nan_reward_is_missing = False
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    optimizer_step: OptimizerStep
 
     def __init__(self, cfg: Any, total_steps: int) -> None:
         self.cfg = cfg
@@ -69,8 +79,7 @@ class RunLoop:
             )
         self.step = 0  # completed training steps
         self.resumed_from: Optional[Path] = None
-        self._in_step = False  # weights may be half-updated until the step ends: no interrupt save then
-        self._saved_at: Optional[int] = None
+        self.guard = NonFiniteGuard(cfg.guards, self.unit, nan_is_missing=self.nan_reward_is_missing)
 
     # --- what a trainer supplies ---------------------------------------------------------------------
 
@@ -111,12 +120,12 @@ class RunLoop:
 
     def train_step(self) -> dict[str, Any]:
         t_step = time.perf_counter()
-        self._in_step = True
         record: dict[str, Any] = {self.unit: self.step + 1, "lr": self.optimizer.param_groups[0]["lr"]}
         self.iterate(record)
         self.scheduler.step()
         self.step += 1
-        self._in_step = False
+        # a NaN weight stops the run before anything saves it; warns, stops after guards.max_bad_updates bad steps
+        self.guard.end_update(record, self.step, self.optimizer_step.params)
         record[f"time_{self.unit}_s"] = time.perf_counter() - t_step
         return record
 
@@ -126,7 +135,6 @@ class RunLoop:
         """Rank 0 writes the checkpoint (every rank holds the same weights); the others wait for it."""
         path = self._write_checkpoint() if self.dist.is_main else None
         self.dist.barrier()
-        self._saved_at = self.step
         return path
 
     def _write_checkpoint(self) -> Path:
@@ -138,17 +146,19 @@ class RunLoop:
         )  # fmt: skip
 
     def resume(self) -> None:
-        """Continue from the newest checkpoint under the checkpoint folder (none: start at step 0)."""
-        path = latest_checkpoint(self.ckpt_dir)
+        """Continue from the newest good checkpoint under the checkpoint folder (none: start at step 0). Damaged
+        ones (sizes / hashes differ from the save) are skipped with a warning; a changed setting outside
+        `resume_free` is refused (the checkpoint's optimizer and schedule would silently win over it)."""
+        path = latest_checkpoint(self.ckpt_dir, verify=True)
         if path is None:
             log.info("resume: no checkpoint under %s; starting at %s 0", self.ckpt_dir, self.unit)
             return
         optimizers = self.checkpoint_parts().optimizers
         ckpt = load_checkpoint(path, optimizers=optimizers, schedulers={"lr": self.scheduler})
+        check_resume_config(self.cfg.model_dump(mode="json"), ckpt.config, set(self.resume_free))
         self.restore(ckpt)
         self.step = ckpt.step
         self.resumed_from = path
-        warn_config_changes(self.cfg.model_dump(mode="json"), ckpt.config, set(self.resume_free))
         log.info("resumed from %s (%s %d)", path, self.unit, self.step)
 
     # --- the run ---------------------------------------------------------------------------------------
@@ -184,6 +194,7 @@ class RunLoop:
                    disable=not (cfg.progress and main))  # fmt: skip
         writer = MetricsWriter(metrics_path, append=self.step > 0) if main else None
         ckpt_seconds: Optional[float] = None
+        stop = StopRequest.install(self.unit)  # SIGINT / SIGTERM: finish the step, save, stop (a 2nd: at once)
         try:
             while self.step < end:
                 record = self.train_step()
@@ -198,18 +209,16 @@ class RunLoop:
                     writer.write(record)
                     self.log_record(record, self.step)
                 history.append(record)
-                if self._checkpoint_due(end):
+                # poll first, on every rank: a collective (max over ranks), so all ranks save the same step
+                if stop.poll(self.dist) or self._checkpoint_due(end):
                     t0 = time.perf_counter()
                     self.save()
                     ckpt_seconds = time.perf_counter() - t0
                 bar.update(1)
                 bar.set_postfix(**self.progress_postfix(record))
-        except KeyboardInterrupt:
-            if self.step > 0 and self._saved_at != self.step and not self._in_step and main:
-                log.warning("interrupted: saving a checkpoint at %s %d", self.unit, self.step)
-                self._write_checkpoint()
-            raise
+                stop.check(self.step)  # raises Interrupted (exit 128 + signal, resume hint) after the save
         finally:
+            stop.restore()
             bar.close()
             if writer is not None:
                 writer.close()

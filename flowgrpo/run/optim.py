@@ -1,7 +1,7 @@
 """AdamW with its learning-rate schedule, and the optimizer step both trainers take.
 
 The step is the one place where gradients become weights: all-reduce over ranks, clip, AdamW, zero the
-gradients, EMA. A guard on the gradients (non-finite, ...) belongs in `OptimizerStep.__call__`.
+gradients, EMA. The run's `NonFiniteGuard` refuses a NaN / inf gradient here, so no trainer can forget it.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from ..distributed import Distributed
+from ..guards import NonFiniteGuard
 from .config import OptimConfig
 from .ema import ScheduledEMA
 
@@ -51,7 +52,9 @@ def build_optimizer(
 
 
 class OptimizerStep:
-    """Gradients summed over ranks -> clipped -> AdamW -> zeroed -> EMA; counts steps and grad norms."""
+    """Gradients summed over ranks -> clipped -> AdamW -> zeroed -> EMA; counts steps and grad norms. With a
+    `guard`, a step whose (global) gradient norm is NaN / inf is skipped: the gradients are zeroed, the weights,
+    the AdamW moments and the EMA stay as they were, and the guard counts it."""
 
     def __init__(
         self,
@@ -60,8 +63,9 @@ class OptimizerStep:
         max_grad_norm: Optional[float],
         dist: Distributed,
         ema: Optional[ScheduledEMA] = None,
+        guard: Optional[NonFiniteGuard] = None,
     ) -> None:
-        self.params, self.optimizer, self.dist = params, optimizer, dist
+        self.params, self.optimizer, self.dist, self.guard = params, optimizer, dist, guard
         self.max_norm = max_grad_norm if max_grad_norm is not None else math.inf
         self.ema = ema
         self.total = 0  # optimizer steps over the run (saved in checkpoints)
@@ -77,6 +81,9 @@ class OptimizerStep:
         self.dist.all_reduce_grads(self.params)
         norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_norm))
         self.norms.append(norm)
+        if self.guard is not None and not self.guard.step_ok(norm):  # the same norm on every rank: all skip
+            self.optimizer.zero_grad(set_to_none=True)
+            return norm
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.total += 1

@@ -11,7 +11,8 @@ from typing import Any, Iterable, Literal, Optional
 
 from pydantic import Field, model_validator
 
-from ..config import load_config
+from ..config import load_config, output_dir_problem
+from ..guards import GuardConfig
 from ..core import AdvantageConfig, LossConfig, PartSpec, StrictModel
 from ..core.advantages import ESTIMATORS
 from ..run.config import CheckpointConfig, EMAConfig, OptimConfig, RatioCheckConfig
@@ -182,6 +183,7 @@ class T2IConfig(StrictModel):
     artifacts: ArtifactsConfig = Field(default_factory=ArtifactsConfig)
     ratio_check: RatioCheckConfig = Field(default_factory=RatioCheckConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    guards: GuardConfig = Field(default_factory=GuardConfig)  # non-finite rewards / gradients (flowgrpo.guards)
     resume: bool = False
     progress: bool = True
     num_threads: Optional[int] = None
@@ -192,6 +194,8 @@ class T2IConfig(StrictModel):
         self.plan.check(PLANS)
         if not self.rewards:
             raise ValueError("rewards: at least one scorer is needed")
+        if problem := output_dir_problem(self.output_dir):
+            raise ValueError(problem)
         labels = [r.label for r in self.rewards]
         dup = sorted({x for x in labels if labels.count(x) > 1})
         if dup:

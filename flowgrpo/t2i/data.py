@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from ..config import ConfigError
+from ..config import ConfigError, read_text_file
 
 
 @dataclass
@@ -36,10 +36,15 @@ def load_prompt_set(prompts: Optional[list[str]], path: Optional[str], what: str
         return None
     file = Path(path)
     if not file.is_file():
-        raise ConfigError(f"{what}: prompt file '{path}' does not exist")
+        hint = (
+            "; the real recipes' prompt sets: python scripts/fetch_prompts.py pickscore (or hpdv2)"
+            if file.parent.name == "prompts"
+            else ""
+        )
+        raise ConfigError(f"{what}: prompt file '{path}' does not exist{hint}")
     if file.suffix == ".jsonl":
         rows, metas = [], []
-        for n, line in enumerate(file.read_text().splitlines(), 1):
+        for n, line in enumerate(read_text_file(file, what).splitlines(), 1):
             if not line.strip():
                 continue
             try:
@@ -52,7 +57,7 @@ def load_prompt_set(prompts: Optional[list[str]], path: Optional[str], what: str
             metas.append(row)
         out = PromptSet(rows, metas)
     else:
-        out = PromptSet([line.strip() for line in file.read_text().splitlines() if line.strip()])
+        out = PromptSet([line.strip() for line in read_text_file(file, what).splitlines() if line.strip()])
     if not out.prompts:
         raise ConfigError(f"{what}: prompt file '{path}' has no prompts")
     return out

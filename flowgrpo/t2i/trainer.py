@@ -74,7 +74,9 @@ class T2ITrainer(RunLoop):
         self.reference = reference_context(self.adapter, cfg.model, method_class(cfg.method).needs_reference(cfg))
         self.optimizer, self.scheduler = build_optimizer(self.params, cfg.optim, cfg.iterations, fused=False)
         self.ema = build_ema(self.params, cfg.ema)
-        self.optimizer_step = OptimizerStep(self.params, self.optimizer, cfg.optim.max_grad_norm, self.dist, self.ema)
+        self.optimizer_step = OptimizerStep(
+            self.params, self.optimizer, cfg.optim.max_grad_norm, self.dist, self.ema, guard=self.guard
+        )
         self.method = build_method(self)
         self.prompt_sampler = PromptSampler(len(self.prompts), cfg.seed, cfg.data.shuffle)
         self.trackers: artifacts.Trackers | None = None  # rank 0 opens them with its first record
@@ -207,6 +209,8 @@ class T2ITrainer(RunLoop):
         plan = build_plan(cfg.plan.name, cfg.sampler.num_steps, self.step, cfg.seed, **cfg.plan.settings)
         record["plan/trained_steps"] = len(plan.trained_steps)
         rollout = self._collect(record, batch_prompts, plan, self._grid_due() or self.method.needs_images)
+        leaf, probe = self.guard.rewards(record, rollout.leaf_values, rollout.probe_values)  # +-inf -> NaN, counted
+        rollout = replace(rollout, leaf_values=leaf, probe_values=probe)
 
         t0 = time.perf_counter()
         self.optimizer_step.begin()
@@ -303,8 +307,10 @@ class T2ITrainer(RunLoop):
         self.trackers.log(record, step)
 
     def progress_postfix(self, record: dict[str, Any]) -> dict[str, str]:
-        return {"reward": f"{record.get('reward_mean', math.nan):.4f}",
-                "kl": f"{record.get('approx_kl', math.nan):.1e}"}  # fmt: skip
+        out = {"reward": f"{record.get('reward_mean', math.nan):.4f}"}
+        if "approx_kl" in record:  # only where measured (NFT and discriminator iterations have none)
+            out["kl"] = f"{record['approx_kl']:.1e}"
+        return out
 
     def finish(self, final_eval: dict[str, float]) -> None:
         (self.out / "eval_final.json").write_text(artifacts.to_json(final_eval))

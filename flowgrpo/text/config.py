@@ -12,9 +12,13 @@ from typing import Any, Iterable, Literal, Optional, Union
 
 from pydantic import Field, model_validator
 
-from ..config import load_config
+from ..config import load_config, output_dir_problem
 from ..core import AdvantageConfig, LossConfig, PartSpec, StrictModel
+from ..guards import GuardConfig
 from ..run.config import CheckpointConfig, OptimConfig, RatioCheckConfig
+
+# estimators whose advantage needs no other sample of the group
+GROUPLESS_ESTIMATORS = {"psr", "nsr", "w_reinforce"}
 
 # Merged under every config file, key by key (a file only states what differs).
 DEFAULTS: dict[str, Any] = {
@@ -104,7 +108,7 @@ class GenerationConfig(StrictModel):
 
     backend: Literal["transformers", "vllm"] = "transformers"
     prompts_per_step: int = Field(2, ge=1)    # P
-    group_size: int = Field(8, ge=1)          # G
+    group_size: int = Field(8, ge=1)          # G (1 only for estimators without a group baseline)
     max_new_tokens: int = Field(32, ge=1)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -220,6 +224,7 @@ class TextConfig(StrictModel):
     rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
     ratio_check: TextRatioCheckConfig = Field(default_factory=TextRatioCheckConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    guards: GuardConfig = Field(default_factory=GuardConfig)  # non-finite rewards / gradients (flowgrpo.guards)
     resume: bool = False
     progress: bool = True
     num_threads: Optional[int] = None         # torch CPU threads (fix it for bit-exact comparisons)
@@ -229,6 +234,13 @@ class TextConfig(StrictModel):
     def _check(self) -> "TextConfig":
         if not self.rewards:
             raise ValueError("rewards: at least one reward function is needed")
+        if problem := output_dir_problem(self.output_dir):
+            raise ValueError(problem)
+        est = self.advantage.estimator.name
+        if self.generation.group_size < 2 and est not in GROUPLESS_ESTIMATORS:
+            raise ValueError(f"generation.group_size 1: estimator '{est}' compares the samples of a group, so "
+                             f"one sample has advantage 0 and nothing is learnt; use >= 2 (or one of "
+                             f"{sorted(GROUPLESS_ESTIMATORS)})")
         labels = [r.label for r in self.rewards]
         dup = sorted({x for x in labels if labels.count(x) > 1})
         if dup:

@@ -98,18 +98,21 @@ def read_jsonl(path: str | Path) -> tuple[list[dict[str, Any]], list[int]]:
     if not path.is_file():
         raise DataError(f"data file not found: {path}")
     rows, lines = [], []
-    with open(path) as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path} line {n}: not valid JSON ({err.msg})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path} line {n}: expected a JSON object, got {type(row).__name__}")
-            rows.append(row)
-            lines.append(n)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path} is not UTF-8 text (byte {err.start}); save it as UTF-8") from None
+    for n, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path} line {n}: not valid JSON ({err.msg})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{path} line {n}: expected a JSON object, got {type(row).__name__}")
+        rows.append(row)
+        lines.append(n)
     if not rows:
         raise DataError(f"{path}: no rows")
     return rows, lines

@@ -289,9 +289,16 @@ def import_callable(ref: str) -> Callable:
         spec = importlib.util.spec_from_file_location(mod_name, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[mod_name] = module
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as err:  # the user's file fails on import: name it and the reason, in one line
+            del sys.modules[mod_name]
+            raise ValueError(f"reward '{ref}': importing {path} failed: {type(err).__name__}: {err}") from None
     else:
-        module = importlib.import_module(target)
+        try:
+            module = importlib.import_module(target)
+        except Exception as err:
+            raise ValueError(f"reward '{ref}': cannot import {target}: {type(err).__name__}: {err}") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"reward '{ref}': {target} has no callable '{attr}'")

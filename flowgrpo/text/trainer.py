@@ -76,6 +76,7 @@ class TextGRPOTrainer(RunLoop):
     unit = "step"
     progress_label = "text-grpo"
     resume_free = frozenset({"steps", "stop_after", "resume", "progress", "checkpoint", "output_dir"})
+    nan_reward_is_missing = True  # a reward function's None: counted per reward already, not a failure
 
     def __init__(self, config: TextConfig, reward_funcs: Optional[Mapping[str, Callable]] = None):
         super().__init__(config, config.steps)
@@ -112,7 +113,9 @@ class TextGRPOTrainer(RunLoop):
         )
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = build_optimizer(self.params, cfg.optim, cfg.steps, fused=True)
-        self.optimizer_step = OptimizerStep(self.params, self.optimizer, cfg.optim.max_grad_norm, self.dist)
+        self.optimizer_step = OptimizerStep(
+            self.params, self.optimizer, cfg.optim.max_grad_norm, self.dist, guard=self.guard
+        )
         self.use_kl = cfg.loss.kl.coef != 0
         self.reference = reference_policy(self.model, self.use_kl)
         self.shared_prompt: Optional[bool] = None if cfg.train.shared_prompt == "auto" else cfg.train.shared_prompt
@@ -176,6 +179,8 @@ class TextGRPOTrainer(RunLoop):
             log.warning("step %d: dynamic sampling kept no group with reward spread; no update", self.step + 1)
             record["skipped_update"] = 1
             return
+        values = self.guard.rewards(record, batch.scores.values)  # +-inf -> NaN (left out like None), counted
+        batch = replace(batch, scores=replace(batch.scores, values=values))
         counts = {"count/forward_nograd": 0, "count/forward_grad": 0, "backward_passes": 0}
         t0 = time.perf_counter()
         prepared = self._prepare(batch, record, counts)

@@ -155,6 +155,19 @@ class Adapter(abc.ABC):
             raise ValueError(f"{self.family}: height and width must be multiples of {mult}, got {height}x{width}")
         return (self._latent_channels(), height // self.vae_scale_factor, width // self.vae_scale_factor)
 
+    def check_resolution(self, height: int, width: int) -> None:
+        """ValueError when the denoiser cannot take height x width (a multiple, or its positional-embedding
+        maximum: a tiny test model stops at 128 px)."""
+        _, h, w = self.latent_shape(height, width)
+        largest = getattr(self.denoiser.config, "pos_embed_max_size", None)
+        patch = self._patch_size()
+        if largest and max(h, w) // patch > largest:
+            top = largest * patch * self.vae_scale_factor
+            raise ValueError(
+                f"{self.family}: {height}x{width} px is larger than this model takes ({top} px a side); "
+                "set a smaller height / width"
+            )
+
     def image_seq_len(self, height: int, width: int) -> int:
         """Image tokens the denoiser sees (FLUX / Qwen-Image schedules shift with this)."""
         _, h, w = self.latent_shape(height, width)

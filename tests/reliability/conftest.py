@@ -1,0 +1,24 @@
+import pytest
+
+from flowgrpo.t2i import load_t2i_config
+
+from .cli_helpers import ROOT
+
+
+@pytest.fixture
+def recipe_config(tmp_path):
+    """load_t2i_config of a tiny recipe, quiet and writing under tmp_path/<name>."""
+
+    def make(recipe: str, *overrides: str, name: str = "run"):
+        return load_t2i_config(
+            ROOT / "configs/t2i/tiny" / f"{recipe}.yaml",
+            [
+                f"output_dir={tmp_path / name}",
+                "progress=false",
+                "artifacts.tensorboard=false",
+                "artifacts.plot=false",
+                *overrides,
+            ],
+        )
+
+    return make

@@ -1,0 +1,229 @@
+"""scripts/reward_server.py under abuse, over HTTP (issue 16, items 13-16): a PNG declaring 144 M pixels,
+100,000 nested brackets, idle / trickling / too many connections, and the bearer token."""
+
+import base64
+import http.client
+import io
+import json
+import socket
+import struct
+import subprocess
+import sys
+import time
+import zlib
+
+import pytest
+import torch
+from PIL import Image
+
+from reward_models import build_scorer
+from reward_models.remote import RemoteRewardError
+
+from .cli_helpers import ROOT
+
+LIMITS = ["--header-timeout", "1", "--body-timeout", "1", "--idle-timeout", "1", "--max-connections", "3"]
+
+
+def start_server(*args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    import os
+
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "scripts/reward_server.py"), "--scorer", "brightness", "--port", "0", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+    )
+    line = proc.stdout.readline()
+    assert "serving" in line, proc.stderr.read()
+    return proc, line.split(" on ")[1].split()[0]
+
+
+@pytest.fixture
+def server():
+    procs = []
+
+    def start(*args: str, env: dict | None = None) -> str:
+        proc, url = start_server(*args, env=env)
+        procs.append(proc)
+        return url
+
+    yield start
+    for p in procs:
+        p.terminate()
+        p.wait(10)
+
+
+def post(url: str, body: bytes, headers: dict | None = None, path: str = "/score") -> tuple[int, dict]:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=20)
+    conn.request("POST", path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
+    response = conn.getresponse()
+    return response.status, json.loads(response.read() or b"{}")
+
+
+def png(width: int, height: int) -> str:
+    """A valid small PNG, then the width / height in its header rewritten (the pixels are never decoded)."""
+    buf = io.BytesIO()
+    Image.new("RGB", (4, 4), (100, 100, 100)).save(buf, format="PNG")
+    raw = bytearray(buf.getvalue())
+    ihdr = raw[12:29]  # b"IHDR" + 13 bytes of data
+    ihdr[4:12] = struct.pack(">II", width, height)
+    raw[12:29] = ihdr
+    raw[29:33] = struct.pack(">I", zlib.crc32(bytes(ihdr)) & 0xFFFFFFFF)
+    return base64.b64encode(bytes(raw)).decode()
+
+
+def request(*images: str) -> bytes:
+    return json.dumps({"images": list(images), "prompts": None, "metadata": {}}).encode()
+
+
+def test_pixel_bomb_is_refused_from_its_header(server):
+    url = server()
+    start = time.monotonic()
+    status, answer = post(url, request(png(12000, 12000)))
+    assert status == 413 and "12000 x 12000" in answer["error"]
+    assert time.monotonic() - start < 5
+    assert post(url, request(png(4, 4)))[0] == 200  # a small image still scores
+
+
+def test_pixel_cap_is_a_setting(server):
+    url = server("--max-megapixels", "0.0001")  # 100 pixels
+    assert post(url, request(png(20, 20)))[0] == 413
+    assert post(url, request(png(4, 4)))[0] == 200
+
+
+def test_deep_nesting_is_a_400(server):
+    url = server()
+    status, answer = post(url, b"[" * 100_000)
+    assert status == 400 and "nested" in answer["error"]
+    assert post(url, request(png(4, 4)))[0] == 200  # and the server is still up
+
+
+def _connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def _closed_within(sock: socket.socket, seconds: float, trickle: bytes = b"") -> bool:
+    """Send `trickle` a byte per 0.2 s (or nothing); True when the server closes the connection in time."""
+    start = time.monotonic()
+    i = 0
+    while time.monotonic() - start < seconds:
+        try:
+            if trickle:
+                sock.sendall(trickle[i % len(trickle) : i % len(trickle) + 1])
+                i += 1
+            sock.settimeout(0.2)
+            data = sock.recv(4096)
+            if data == b"" or data.startswith(b"HTTP/"):
+                return True
+        except socket.timeout:
+            continue
+        except OSError:
+            return True
+    return False
+
+
+def test_idle_connection_is_closed(server):
+    url = server(*LIMITS)
+    with _connect(url) as sock:
+        assert _closed_within(sock, 6)
+
+
+def test_trickling_headers_are_cut_off(server):
+    url = server(*LIMITS)
+    with _connect(url) as sock:
+        assert _closed_within(sock, 6, trickle=b"POST /score HTTP/1.1\r\nX-Slow: " + b"a" * 100)
+
+
+def test_trickling_body_is_cut_off(server):
+    url = server(*LIMITS)
+    with _connect(url) as sock:
+        sock.sendall(b"POST /score HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n")
+        assert _closed_within(sock, 6, trickle=b"[")
+
+
+def test_connection_cap_answers_503(server):
+    url = server(*LIMITS[:-2], "--idle-timeout", "30", "--max-connections", "2")
+    held = [_connect(url) for _ in range(2)]
+    time.sleep(0.3)
+    try:
+        with _connect(url) as extra:
+            extra.settimeout(5)
+            assert extra.recv(4096).startswith(b"HTTP/1.0 503")
+    finally:
+        for s in held:
+            s.close()
+    time.sleep(0.3)
+    assert post(url, request(png(4, 4)))[0] == 200  # the slots come back
+
+
+def test_token_is_required_and_checked(server):
+    url = server("--token", "s3cret")
+    assert post(url, request(png(4, 4)))[0] == 401
+    assert post(url, request(png(4, 4)), {"Authorization": "Bearer wrong"})[0] == 401
+    assert post(url, request(png(4, 4)), {"Authorization": "Bearer s3cret"})[0] == 200
+    with pytest.raises(RemoteRewardError, match="401"):
+        build_scorer({"name": "remote", "url": url, "max_attempts": 1})(torch.rand(1, 3, 8, 8))
+    good = build_scorer({"name": "remote", "url": url, "token": "s3cret"})(torch.rand(2, 3, 8, 8))
+    assert good["brightness"].shape == (2,)
+
+
+def test_token_from_the_environment_on_both_sides(server, monkeypatch):
+    url = server(env={"FLOWGRPO_REWARD_TOKEN": "from-env"})
+    assert post(url, request(png(4, 4)))[0] == 401
+    monkeypatch.setenv("MY_REWARD_TOKEN", "from-env")
+    scores = build_scorer({"name": "remote", "url": url, "token": "env:MY_REWARD_TOKEN"})(torch.rand(1, 3, 8, 8))
+    assert scores["brightness"].shape == (1,)
+
+
+def test_binding_beyond_loopback_needs_a_token():
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts/reward_server.py"),
+            "--scorer",
+            "brightness",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 2 and "token" in done.stderr.splitlines()[-1]
+
+
+def test_judge_clients_send_the_token(monkeypatch):
+    """The VLM judges (OpenAI-compatible servers) send `token` (or `api_key`) as the bearer token."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen: list[str] = []
+
+    class Models(BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append(self.headers.get("Authorization", ""))
+            body = json.dumps({"data": [{"id": "judge"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Models)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("JUDGE_TOKEN", "j-secret")
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        for name in ("vlm_judge", "vlm_judge_pairwise"):
+            build_scorer({"name": name, "url": url, "token": "env:JUDGE_TOKEN"}).client.health()
+        assert seen == ["Bearer j-secret"] * 2
+    finally:
+        server.shutdown()
