@@ -6,4 +6,4 @@ modules that need them.
 
 __version__ = "0.1.0"
 
-from . import torchvision_hook  # noqa: E402,F401  (torchvision on a CPU torch; imports nothing)
+import torchvision_cpu_hook  # noqa: E402,F401  (torchvision on a CPU torch; imports nothing)

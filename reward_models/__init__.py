@@ -7,7 +7,7 @@
 Importing this package is light (no torch, no transformers); scorer modules load on first lookup.
 """
 
-import flowgrpo.torchvision_hook  # noqa: F401  (first: torchvision on a CPU torch)
+import torchvision_cpu_hook  # noqa: F401  (first: torchvision on a CPU torch)
 from .registry import ScorerConfig, UnknownScorerError, available, build_scorer, get_entry, register
 
 __all__ = ["ScorerConfig", "UnknownScorerError", "available", "build_scorer", "get_entry", "register"]

@@ -17,7 +17,7 @@ differentiable, on the model's device) and "pil" (open_clip's own transform on u
 the reference). Text: open_clip's CLIP BPE tokenizer (bundled with open_clip), 77 tokens.
 The reference runs under fp16 autocast; `dtype` casts the weights instead, scores are float32.
 open_clip needs torchvision; on a CPU torch `import reward_models` installs the import fix
-(flowgrpo/torchvision_hook.py) before open_clip is imported here.
+(torchvision_cpu_hook.py) before open_clip is imported here.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import flowgrpo.torchvision_hook  # noqa: F401  (torchvision on a CPU torch, before open_clip)
+import torchvision_cpu_hook  # noqa: F401  (torchvision on a CPU torch, before open_clip)
 from .base import Pretrained, Scorer
 from .encoders import PREPROCESS_MODES
 from .images import ImageBatch

@@ -7,7 +7,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-import flowgrpo.torchvision_hook  # noqa: E402,F401  (torchvision on a CPU torch)
+import torchvision_cpu_hook  # noqa: E402,F401  (torchvision on a CPU torch)
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

@@ -35,7 +35,7 @@ def test_train_text_runs_without_torchvision(tmp_path):
 
 
 def test_torchvision_is_reported_missing_not_raised():
-    code = "import importlib.util, flowgrpo.torchvision_hook; print(importlib.util.find_spec('torchvision'))"
+    code = "import importlib.util, torchvision_cpu_hook; print(importlib.util.find_spec('torchvision'))"
     from .cli_helpers import _HIDE_TORCHVISION
     import os
     import subprocess
