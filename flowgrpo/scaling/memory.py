@@ -40,6 +40,8 @@ ENGINES = ("DDP", "FSDP2", "ZeRO-2", "ZeRO-3")
 MODES = ("LoRA", "full")
 WORLDS = (1, 8, 64)
 IMAGE_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+# Flow-GRPO's SD3.5 list (configs/t2i/real/_sd35m.yaml): `attn.` only, so the second attention gets no LoRA
+SD35_LORA_TARGETS = tuple(f"attn.{t}" for t in IMAGE_LORA_TARGETS)
 TEXT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
@@ -69,8 +71,10 @@ SPECS: tuple[ModelSpec, ...] = (
                     guidance_embeds=True, axes_dims_rope=(16, 56, 56)),
         source="https://huggingface.co/black-forest-labs/FLUX.1-dev/blob/main/transformer/config.json",
         block_classes=("FluxTransformerBlock", "FluxSingleTransformerBlock"),
-        lora_rank=32, lora_targets=IMAGE_LORA_TARGETS, tokens=32 * 32 + 512, micro_batch=8,
-        workload="configs/t2i/real/_flux.yaml: 512 px (1024 latent tokens), T5 length 512, LoRA r32, micro-batch 8",
+        lora_rank=128, lora_targets=IMAGE_LORA_TARGETS, tokens=45 * 45 + 512, micro_batch=1,
+        workload="configs/t2i/real/_flux.yaml (the published DanceGRPO / MixGRPO / BranchGRPO runs): 720 px "
+                 "(2025 latent tokens), T5 length 512, micro-batch 1, full fine-tune; LoRA rows: r128 of the "
+                 "<recipe>_lora.yaml variants",
     ),
     ModelSpec(
         name="SD3.5-Medium", library="diffusers", class_name="SD3Transformer2DModel",
@@ -80,9 +84,9 @@ SPECS: tuple[ModelSpec, ...] = (
                     dual_attention_layers=tuple(range(13)), qk_norm="rms_norm"),
         source="https://huggingface.co/stabilityai/stable-diffusion-3.5-medium/blob/main/transformer/config.json",
         block_classes=("JointTransformerBlock",),
-        lora_rank=32, lora_targets=IMAGE_LORA_TARGETS, tokens=32 * 32 + 77 + 256, micro_batch=16,
-        workload="configs/t2i/real/_sd35m.yaml: 512 px (1024 latent tokens), CLIP 77 + T5 256 tokens, LoRA r32, "
-                 "micro-batch 16",
+        lora_rank=32, lora_targets=SD35_LORA_TARGETS, tokens=32 * 32 + 77 + 256, micro_batch=16,
+        workload="configs/t2i/real/_sd35m.yaml: 512 px (1024 latent tokens), CLIP 77 + T5 256 tokens, LoRA r32 "
+                 "on the `attn.` projections (Flow-GRPO's list), micro-batch 16",
     ),
     ModelSpec(
         name="Qwen-Image", library="diffusers", class_name="QwenImageTransformer2DModel",
@@ -92,7 +96,7 @@ SPECS: tuple[ModelSpec, ...] = (
         source="https://huggingface.co/Qwen/Qwen-Image/blob/main/transformer/config.json",
         block_classes=("QwenImageTransformerBlock",),
         lora_rank=32, lora_targets=IMAGE_LORA_TARGETS, tokens=32 * 32 + 256, micro_batch=8,
-        workload="no shipped recipe: the FLUX recipe's settings (512 px, LoRA r32, micro-batch 8), 256 prompt tokens",
+        workload="no shipped recipe: 512 px (1024 latent tokens), LoRA r32, micro-batch 8, 256 prompt tokens",
     ),
     ModelSpec(
         name="Qwen2.5-7B", library="transformers", class_name="Qwen2ForCausalLM",

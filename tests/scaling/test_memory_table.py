@@ -71,20 +71,20 @@ def test_lora_count_equals_peft_s(kind):
 def test_one_row_against_a_hand_computation(facts):
     """FLUX.1-dev, full fine-tune, ZeRO-2, 8 GPUs, worked out by hand:
     P = 11 901 408 320 parameters (the meta count), no buffers, 57 blocks, h = 24 x 128 = 3072,
-    s = 1024 latent + 512 T5 tokens, b = 8.
+    s = 2025 latent (720 px) + 512 T5 tokens, b = 1 (configs/t2i/real/_flux.yaml).
       parameters  2 P (bf16 module, replicated)        = 23 802 816 640 B = 22.1681 GiB
       gradients   2 P / 8 (bf16, partitioned)          =  2 975 352 080 B =  2.7710 GiB
       optimizer   12 P / 8 (fp32 master, m, v)         = 17 852 112 480 B = 16.6261 GiB
-      activations (57 x 2 + 34) x 1536 x 8 x 3072      =  5 586 812 928 B =  5.2031 GiB
-      total                                                                 46.7683 GiB -> fits (<= 72 GB)"""
+      activations (57 x 2 + 34) x 2537 x 1 x 3072      =  1 153 462 272 B =  1.0743 GiB
+      total                                                                 42.6394 GiB -> fits (<= 72 GB)"""
     assert facts["FLUX.1-dev"].params == 11_901_408_320
     row = mem.memory_row(facts["FLUX.1-dev"], "full", "ZeRO-2", 8)
     assert row.params == pytest.approx(22.1681, abs=1e-4)
     assert row.grads == pytest.approx(2.7710, abs=1e-4)
     assert row.optim == pytest.approx(16.6261, abs=1e-4)
     assert row.gathered == 0
-    assert row.activations == pytest.approx(5.2031, abs=1e-4)
-    assert row.total == pytest.approx(46.7683, abs=1e-3) and row.fits
+    assert row.activations == pytest.approx(1.0743, abs=1e-4)
+    assert row.total == pytest.approx(42.6394, abs=1e-3) and row.fits
 
 
 def test_the_wall_issue_14_names(facts):
@@ -106,12 +106,19 @@ def test_workloads_are_the_shipped_recipes():
     from pipelines.adapters.sd3 import SD3Adapter
 
     specs = {s.name: s for s in mem.SPECS}
-    for name, recipe in (("FLUX.1-dev", "_flux.yaml"), ("SD3.5-Medium", "_sd35m.yaml")):
-        cfg = yaml.safe_load((ROOT / "configs/t2i/real" / recipe).read_text())
-        assert specs[name].lora_rank == cfg["model"]["lora"]["rank"]
-        assert specs[name].micro_batch == cfg["train"]["micro_batch_size"]
-        assert cfg["sampler"]["height"] == cfg["sampler"]["width"] == 512  # 1024 latent tokens
-    assert specs["FLUX.1-dev"].tokens == 1024 + FluxAdapter.default_max_sequence_length
+    real = ROOT / "configs/t2i/real"
+    flux, sd35 = (yaml.safe_load((real / name).read_text()) for name in ("_flux.yaml", "_sd35m.yaml"))
+    flux_lora = yaml.safe_load((real / "dance_grpo_lora.yaml").read_text())
+    assert specs["FLUX.1-dev"].micro_batch == flux["train"]["micro_batch_size"]
+    assert specs["FLUX.1-dev"].lora_rank == flux_lora["model"]["lora"]["rank"]
+    assert "target_modules" not in flux_lora["model"]["lora"]  # the family's default targets
+    side = flux["sampler"]["height"] // 16  # VAE /8, then 2 x 2 patches
+    assert flux["sampler"]["width"] == flux["sampler"]["height"]
+    assert specs["FLUX.1-dev"].tokens == side * side + FluxAdapter.default_max_sequence_length
+    assert specs["SD3.5-Medium"].micro_batch == sd35["train"]["micro_batch_size"]
+    assert specs["SD3.5-Medium"].lora_rank == sd35["model"]["lora"]["rank"]
+    assert sorted(specs["SD3.5-Medium"].lora_targets) == sorted(sd35["model"]["lora"]["target_modules"])
+    assert sd35["sampler"]["height"] == sd35["sampler"]["width"] == 512  # 1024 latent tokens
     assert specs["SD3.5-Medium"].tokens == 1024 + 77 + SD3Adapter.default_max_sequence_length
     for adapter in (FluxAdapter, SD3Adapter, QwenImageAdapter):
         assert tuple(adapter.lora_targets) == mem.IMAGE_LORA_TARGETS
