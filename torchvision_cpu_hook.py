@@ -17,8 +17,10 @@ import importlib.machinery
 import importlib.util
 import sys
 
-_SCHEMAS = ("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-            "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+_SCHEMAS = (
+    "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+    "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+)
 _LIBRARIES: list = []  # the op declarations live as long as their Library objects
 
 
@@ -66,8 +68,9 @@ class _TorchvisionFinder(importlib.abc.MetaPathFinder):
         if importlib.util.find_spec(name) is None:
             return None
         module = _import_torchvision()
-        return importlib.machinery.ModuleSpec(name, _Existing(module), origin=getattr(module, "__file__", None),
-                                              is_package=True)
+        return importlib.machinery.ModuleSpec(
+            name, _Existing(module), origin=getattr(module, "__file__", None), is_package=True
+        )
 
 
 def install() -> None:

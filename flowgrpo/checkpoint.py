@@ -104,8 +104,18 @@ def _save_tensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
         if not isinstance(t, torch.Tensor):
             raise CheckpointError(f"{path.name}: '{name}' is a {type(t).__name__}, not a tensor")
         t = t.detach()
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
-               t.device.type) if t.numel() else None
+        key = (
+            (
+                t.untyped_storage().data_ptr(),
+                t.storage_offset(),
+                tuple(t.shape),
+                tuple(t.stride()),
+                t.dtype,
+                t.device.type,
+            )
+            if t.numel()
+            else None
+        )
         if key is not None and key in seen:
             aliases[name] = seen[key]
             continue
@@ -144,8 +154,7 @@ def _optimizer_parts(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.
                 tensors[f"{idx}.{key}"] = value
             else:
                 scalars.setdefault(str(idx), {})[key] = value
-    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars,
-                     "tensor_keys": sorted(tensors)}
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars, "tensor_keys": sorted(tensors)}
 
 
 def _optimizer_state(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
@@ -198,8 +207,13 @@ def list_checkpoints(root: str | Path) -> list[Path]:
         return []
     found = []
     for p in root.iterdir():
-        if p.is_dir() and p.name.startswith(_PREFIX) and p.name[len(_PREFIX):].isdigit() and (p / "state.json").is_file():
-            found.append((int(p.name[len(_PREFIX):]), p))
+        if (
+            p.is_dir()
+            and p.name.startswith(_PREFIX)
+            and p.name[len(_PREFIX) :].isdigit()
+            and (p / "state.json").is_file()
+        ):
+            found.append((int(p.name[len(_PREFIX) :]), p))
     return [p for _, p in sorted(found)]
 
 
@@ -212,8 +226,11 @@ def _file_digest(path: Path) -> str:
 
 
 def _manifest(folder: Path) -> dict[str, dict[str, Any]]:
-    return {f.name: {"bytes": f.stat().st_size, "sha256": _file_digest(f)}
-            for f in sorted(folder.iterdir()) if f.is_file() and f.name != "state.json"}
+    return {
+        f.name: {"bytes": f.stat().st_size, "sha256": _file_digest(f)}
+        for f in sorted(folder.iterdir())
+        if f.is_file() and f.name != "state.json"
+    }
 
 
 def verify_checkpoint(path: str | Path) -> list[str]:
@@ -273,13 +290,17 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(root: str | Path, step: int, *,
-                    tensors: Optional[Mapping[str, Mapping[str, torch.Tensor]]] = None,
-                    optimizers: Optional[Mapping[str, torch.optim.Optimizer]] = None,
-                    schedulers: Optional[Mapping[str, Any]] = None,
-                    state: Optional[Mapping[str, Any]] = None,
-                    config: Optional[Mapping[str, Any]] = None,
-                    keep_last: Optional[int] = None) -> Path:
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    *,
+    tensors: Optional[Mapping[str, Mapping[str, torch.Tensor]]] = None,
+    optimizers: Optional[Mapping[str, torch.optim.Optimizer]] = None,
+    schedulers: Optional[Mapping[str, Any]] = None,
+    state: Optional[Mapping[str, Any]] = None,
+    config: Optional[Mapping[str, Any]] = None,
+    keep_last: Optional[int] = None,
+) -> Path:
     """Write checkpoint `step` under `root` atomically and return its folder.
 
     tensors:    {group: {name: tensor}}, e.g. {"model": trainable weights}.
@@ -306,14 +327,17 @@ def save_checkpoint(root: str | Path, step: int, *,
         if config is not None:
             _write_json(tmp / "config.json", dict(config))
         files = _manifest(tmp)  # what a resume verifies before trusting this checkpoint
-        _write_json(tmp / "state.json", {  # written last: a folder without it is never a checkpoint
-            "format_version": FORMAT_VERSION,
-            "step": int(step),
-            "state": dict(state or {}),
-            "schedulers": {name: s.state_dict() for name, s in (schedulers or {}).items()},
-            "rng": rng_scalars,
-            "files": files,
-        })
+        _write_json(
+            tmp / "state.json",
+            {  # written last: a folder without it is never a checkpoint
+                "format_version": FORMAT_VERSION,
+                "step": int(step),
+                "state": dict(state or {}),
+                "schedulers": {name: s.state_dict() for name, s in (schedulers or {}).items()},
+                "rng": rng_scalars,
+                "files": files,
+            },
+        )
         for f in tmp.iterdir():
             os.chmod(f, 0o666 & ~_umask())
         _fsync_dir(tmp)
@@ -332,17 +356,26 @@ def save_checkpoint(root: str | Path, step: int, *,
     return target
 
 
-def _refuse_nonfinite(step: int, tensors: Optional[Mapping[str, Mapping[str, torch.Tensor]]],
-                      optimizers: Optional[Mapping[str, torch.optim.Optimizer]]) -> None:
+def _refuse_nonfinite(
+    step: int,
+    tensors: Optional[Mapping[str, Mapping[str, torch.Tensor]]],
+    optimizers: Optional[Mapping[str, torch.optim.Optimizer]],
+) -> None:
     """A NaN / inf weight or optimizer moment is never saved: keep_last would rotate good checkpoints out."""
     named = [(f"{group}/{name}", t) for group, items in (tensors or {}).items() for name, t in items.items()]
-    named += [(f"optim.{n}/{k}", t) for n, opt in (optimizers or {}).items()
-              for k, t in _optimizer_parts(opt)[0].items()]
-    bad = [name for name, t in named if isinstance(t, torch.Tensor) and t.is_floating_point()
-           and not bool(torch.isfinite(t.detach()).all())]
+    named += [
+        (f"optim.{n}/{k}", t) for n, opt in (optimizers or {}).items() for k, t in _optimizer_parts(opt)[0].items()
+    ]
+    bad = [
+        name
+        for name, t in named
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t.detach()).all())
+    ]
     if bad:
-        raise CheckpointError(f"refusing to save step {step}: {len(bad)} tensor(s) hold NaN / inf "
-                              f"({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}); earlier checkpoints kept")
+        raise CheckpointError(
+            f"refusing to save step {step}: {len(bad)} tensor(s) hold NaN / inf "
+            f"({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}); earlier checkpoints kept"
+        )
 
 
 def _cleanup(root: Path, keep_last: Optional[int]) -> None:
@@ -366,10 +399,13 @@ class Checkpoint:
     _raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
 
-def load_checkpoint(path: str | Path, *,
-                    optimizers: Optional[Mapping[str, torch.optim.Optimizer]] = None,
-                    schedulers: Optional[Mapping[str, Any]] = None,
-                    restore_rng: bool = True) -> Checkpoint:
+def load_checkpoint(
+    path: str | Path,
+    *,
+    optimizers: Optional[Mapping[str, torch.optim.Optimizer]] = None,
+    schedulers: Optional[Mapping[str, Any]] = None,
+    restore_rng: bool = True,
+) -> Checkpoint:
     """Read a checkpoint folder; load optimizer and scheduler states in place; restore the global RNGs.
 
     Tensor groups are returned on CPU; the caller loads them into its modules (see `load_into`).
@@ -382,13 +418,12 @@ def load_checkpoint(path: str | Path, *,
         raise CheckpointError(f"{path}: format version {raw.get('format_version')}, expected {FORMAT_VERSION}")
     tensors = {}
     for f in sorted(path.glob("tensors.*.safetensors")):
-        tensors[f.name[len("tensors."):-len(".safetensors")]] = _load_tensors(f)
+        tensors[f.name[len("tensors.") : -len(".safetensors")]] = _load_tensors(f)
     for name, opt in (optimizers or {}).items():
         meta_path = path / f"optim.{name}.json"
         if not meta_path.is_file():
             raise CheckpointError(f"{path}: no optimizer state '{name}'")
-        opt.load_state_dict(_optimizer_state(_load_tensors(path / f"optim.{name}.safetensors"),
-                                             _read_json(meta_path)))
+        opt.load_state_dict(_optimizer_state(_load_tensors(path / f"optim.{name}.safetensors"), _read_json(meta_path)))
     for name, sched in (schedulers or {}).items():
         if name not in raw["schedulers"]:
             raise CheckpointError(f"{path}: no scheduler state '{name}'")
@@ -427,8 +462,10 @@ def check_resume_config(now: Mapping[str, Any], saved: Optional[Mapping[str, Any
         show = lambda v: "(unset)" if v is _MISSING else repr(v)  # noqa: E731
         listed = "; ".join(f"{key}: {show(old)} in the checkpoint, {show(new)} now" for key, old, new in changed[:4])
         more = f" (and {len(changed) - 4} more)" if len(changed) > 4 else ""
-        raise ConfigError(f"resume: {listed}{more}. A resumed run keeps its settings: drop these overrides, or "
-                          "start a new run (another output_dir)")
+        raise ConfigError(
+            f"resume: {listed}{more}. A resumed run keeps its settings: drop these overrides, or "
+            "start a new run (another output_dir)"
+        )
 
 
 def load_into(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor], *, strict_keys: bool = True) -> None:
@@ -440,12 +477,12 @@ def load_into(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor], *, s
     own.update(dict(module.named_buffers()))
     missing = [k for k in tensors if k not in own]
     if missing and strict_keys:
-        raise CheckpointError(f"checkpoint tensors not in the model: {missing[:5]}"
-                              f"{' ...' if len(missing) > 5 else ''}")
+        raise CheckpointError(f"checkpoint tensors not in the model: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     with torch.no_grad():
         for name, value in tensors.items():
             if name in own:
                 if own[name].shape != value.shape:
-                    raise CheckpointError(f"'{name}': checkpoint shape {list(value.shape)}, "
-                                          f"model shape {list(own[name].shape)}")
+                    raise CheckpointError(
+                        f"'{name}': checkpoint shape {list(value.shape)}, model shape {list(own[name].shape)}"
+                    )
                 own[name].copy_(value)

@@ -13,8 +13,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     config = load_config(DemoConfig, args.config, args.overrides, defaults=DEFAULTS)
     history = run_demo(config)
     first, last = history[0]["reward_mean"], history[-1]["reward_mean"]
-    print(f"reward {first:.3f} -> {last:.3f} over {len(history)} iterations; "
-          f"metrics in {config.output_dir}/metrics.jsonl")
+    print(
+        f"reward {first:.3f} -> {last:.3f} over {len(history)} iterations; metrics in {config.output_dir}/metrics.jsonl"
+    )
     return 0
 
 
@@ -34,8 +35,10 @@ def _cmd_train_text(args: argparse.Namespace) -> int:
     if history:
         first = history[0].get("reward_mean", math.nan)
         last = history[-1].get("reward_mean", math.nan)
-        print(f"reward {first:.3f} -> {last:.3f} over steps {history[0]['step']}..{history[-1]['step']}; "
-              f"metrics in {config.output_dir}/metrics.jsonl")
+        print(
+            f"reward {first:.3f} -> {last:.3f} over steps {history[0]['step']}..{history[-1]['step']}; "
+            f"metrics in {config.output_dir}/metrics.jsonl"
+        )
     else:
         print(f"nothing to do: the run is already at step {config.steps}")
     return 0
@@ -53,8 +56,10 @@ def _cmd_train_t2i(args: argparse.Namespace) -> int:
     if history:
         first = history[0].get("reward_mean", math.nan)
         last = history[-1].get("reward_mean", math.nan)
-        print(f"reward {first:.4f} -> {last:.4f} over iterations {history[0]['iteration']}..{history[-1]['iteration']}; "
-              f"metrics in {config.output_dir}/metrics.jsonl, grids in {config.output_dir}/grids")
+        print(
+            f"reward {first:.4f} -> {last:.4f} over iterations {history[0]['iteration']}..{history[-1]['iteration']}; "
+            f"metrics in {config.output_dir}/metrics.jsonl, grids in {config.output_dir}/grids"
+        )
     else:
         print(f"nothing to do: the run is already at iteration {config.iterations}")
     return 0
@@ -64,9 +69,13 @@ def _cmd_list(args: argparse.Namespace) -> int:
     from . import core
 
     slots = {
-        "advantage estimators": core.ESTIMATORS, "advantage transforms": core.TRANSFORMS,
-        "ratios": core.RATIOS, "bounds": core.BOUNDS, "surrogates": core.SURROGATES,
-        "aggregations": core.AGGREGATIONS, "KL estimators": core.KL_ESTIMATORS,
+        "advantage estimators": core.ESTIMATORS,
+        "advantage transforms": core.TRANSFORMS,
+        "ratios": core.RATIOS,
+        "bounds": core.BOUNDS,
+        "surrogates": core.SURROGATES,
+        "aggregations": core.AGGREGATIONS,
+        "KL estimators": core.KL_ESTIMATORS,
         "step weightings": core.STEP_WEIGHTINGS,
     }
     for title, registry in slots.items():

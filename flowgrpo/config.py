@@ -24,8 +24,10 @@ class _Loader(yaml.SafeLoader):
 
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:\d[\d_]*\.?[\d_]*(?:[eE][-+]?\d+)|\d[\d_]*\.[\d_]*|\.\d[\d_]*(?:[eE][-+]?\d+)?"
-               r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    re.compile(
+        r"^[-+]?(?:\d[\d_]*\.?[\d_]*(?:[eE][-+]?\d+)|\d[\d_]*\.[\d_]*|\.\d[\d_]*(?:[eE][-+]?\d+)?"
+        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
     list("-+0123456789."),
 )
 
@@ -50,8 +52,10 @@ def read_text_file(path: str | Path, what: str) -> str:
     try:
         return Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
-        raise ConfigError(f"{what}: {path} is not UTF-8 text (byte {err.start}: {err.object[err.start:err.start + 1]!r}); "
-                          "save it as UTF-8") from None
+        raise ConfigError(
+            f"{what}: {path} is not UTF-8 text (byte {err.start}: {err.object[err.start : err.start + 1]!r}); "
+            "save it as UTF-8"
+        ) from None
 
 
 def output_dir_problem(path: str | Path) -> Optional[str]:
@@ -77,7 +81,7 @@ def apply_override(data: dict, override: str) -> None:
         if isinstance(child, str):  # a part given by name only ("bounds: symmetric") gains settings
             child = node[part] = {"name": child}
         if not isinstance(child, dict):
-            raise ConfigError(f"override '{override}': '{'.'.join(path[:i + 1])}' is not a section")
+            raise ConfigError(f"override '{override}': '{'.'.join(path[: i + 1])}' is not a section")
         node = child
     node[path[-1]] = parse_yaml(raw, f"override '{override}'") if raw.strip() else None
 
@@ -108,8 +112,9 @@ def read_yaml_config(p: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     return deep_merge(read_yaml_config(p.parent / str(base), (*_seen, p.resolve())), loaded)
 
 
-def load_config(model: Type[M], path: Optional[str | Path] = None, overrides: Iterable[str] = (),
-                defaults: Optional[dict] = None) -> M:
+def load_config(
+    model: Type[M], path: Optional[str | Path] = None, overrides: Iterable[str] = (), defaults: Optional[dict] = None
+) -> M:
     """Build `model` from defaults, then a YAML file, then overrides (each merged key by key)."""
     data: dict[str, Any] = deep_merge({}, defaults or {})
     if path is not None:

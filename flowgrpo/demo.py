@@ -80,8 +80,14 @@ def run_demo(config: DemoConfig) -> list[dict]:
             hits = (tokens == target.view(-1, 1, 1)) & mask
             rewards = hits.sum(-1) / mask.sum(-1)
             adv = compute_advantages(GroupBatch(rewards=rewards.float()), config.advantage)
-            full = LossInputs(logp_old, logp_old, adv.advantages.reshape(N), mask.reshape(N, -1),
-                              sample_weight=adv.sample_weight.reshape(N), logp_ref=logp_ref)
+            full = LossInputs(
+                logp_old,
+                logp_old,
+                adv.advantages.reshape(N),
+                mask.reshape(N, -1),
+                sample_weight=adv.sample_weight.reshape(N),
+                logp_ref=logp_ref,
+            )
             norm = LossNormalizer.from_inputs(full)
             record = {"iteration": iteration, **adv.metrics}
             for epoch in range(config.inner_epochs):
@@ -93,8 +99,9 @@ def run_demo(config: DemoConfig) -> list[dict]:
                     result.loss.backward()
                     if epoch == 0 and "ratio_first_pass_max_dev" not in record:
                         # on-policy: the first pass must give ratio 1 exactly
-                        record["ratio_first_pass_max_dev"] = max(abs(result.metrics["ratio/max"] - 1),
-                                                                 abs(result.metrics["ratio/min"] - 1))
+                        record["ratio_first_pass_max_dev"] = max(
+                            abs(result.metrics["ratio/max"] - 1), abs(result.metrics["ratio/min"] - 1)
+                        )
                 optimizer.step()
             record.update(result.metrics)
             record["time_s"] = time.perf_counter() - t0

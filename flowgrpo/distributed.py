@@ -79,7 +79,7 @@ class Distributed:
         offset = 0
         for p, g in zip(params, grads):
             n = g.numel()
-            p.grad = flat[offset:offset + n].view_as(p).to(p.dtype)
+            p.grad = flat[offset : offset + n].view_as(p).to(p.dtype)
             offset += n
 
     def reduce_normalizer(self, norm):

@@ -17,8 +17,13 @@ from torch import Tensor
 from .rollout import RolloutTree
 
 
-def depth_pruning(tree: RolloutTree, depths: Sequence[int], iteration: int = 0,
-                  slide_interval: Optional[int] = None, stop_depth: Optional[int] = None) -> Tensor:
+def depth_pruning(
+    tree: RolloutTree,
+    depths: Sequence[int],
+    iteration: int = 0,
+    slide_interval: Optional[int] = None,
+    stop_depth: Optional[int] = None,
+) -> Tensor:
     """Drop edges whose child depth is in `depths`.
 
     With `slide_interval`, the pruned depths move one level shallower every `slide_interval` iterations,
@@ -73,8 +78,9 @@ def width_pruning(tree: RolloutTree, node_advantage: Tensor, keep_ratio: float =
     return keep
 
 
-def per_sample_steps(tree: RolloutTree, fraction: float, generator: torch.Generator,
-                     exclude_last: bool = False) -> Tensor:
+def per_sample_steps(
+    tree: RolloutTree, fraction: float, generator: torch.Generator, exclude_last: bool = False
+) -> Tensor:
     """Each final sample trains its own random int(fraction * n) of its n trainable steps.
 
     DanceGRPO / Pref-GRPO: drop the last step (exclude_last), draw an independent random permutation
@@ -84,7 +90,7 @@ def per_sample_steps(tree: RolloutTree, fraction: float, generator: torch.Genera
     """
     if not 0 < fraction <= 1:
         raise ValueError(f"per_sample_fraction must be in (0, 1], got {fraction}")
-    chains = tree.ancestors(tree.leaves).flatten(0, 1)[:, 1:]   # [S, T] edge into depth 1..T of each sample
+    chains = tree.ancestors(tree.leaves).flatten(0, 1)[:, 1:]  # [S, T] edge into depth 1..T of each sample
     T = chains.shape[1]
     edge_ok = chains >= 0
     ids = chains.clamp_min(0)
@@ -94,18 +100,20 @@ def per_sample_steps(tree: RolloutTree, fraction: float, generator: torch.Genera
         trainable[:, T - 1] = False
     used = ids[trainable]
     if used.unique().numel() != used.numel():
-        raise ValueError("per-sample step subsets need chains that share no trained edge (a chain plan, "
-                         "no shared prefix); this rollout tree shares edges between samples")
+        raise ValueError(
+            "per-sample step subsets need chains that share no trained edge (a chain plan, "
+            "no shared prefix); this rollout tree shares edges between samples"
+        )
     n = trainable.sum(1)
     if bool((n != n[0]).any()):
         raise ValueError("per-sample step subsets need the same trainable steps in every sample")
     k = int(fraction * int(n[0]))
     # an independent uniform permutation per sample over its trainable steps: sort uniform keys
     keys = torch.rand(chains.shape, generator=generator, dtype=torch.float64)
-    keys = torch.where(trainable, keys, torch.full_like(keys, 2.0))   # untrainable steps sort last
+    keys = torch.where(trainable, keys, torch.full_like(keys, 2.0))  # untrainable steps sort last
     chosen = torch.zeros_like(trainable)
     chosen.scatter_(1, torch.argsort(keys, dim=1, stable=True)[:, :k], True)
     keep = torch.ones(tree.num_nodes, dtype=torch.bool)
-    keep[ids[planned]] = False                # every planned step of a chain is dropped ...
-    keep[ids[chosen & trainable]] = True      # ... but the ones this sample drew
+    keep[ids[planned]] = False  # every planned step of a chain is dropped ...
+    keep[ids[chosen & trainable]] = True  # ... but the ones this sample drew
     return keep

@@ -57,8 +57,8 @@ class RolloutPlan:
     steps: tuple[StepPlan, ...]
     probe_depths: frozenset[int] = field(default_factory=frozenset)
     probe_solver: str = "euler"
-    one_step_probes: bool = False   # VGPO: x0 estimate by one Euler jump instead of a full completion
-    shared_prefix: bool = False      # deterministic steps before the first SDE step are the same for a group
+    one_step_probes: bool = False  # VGPO: x0 estimate by one Euler jump instead of a full completion
+    shared_prefix: bool = False  # deterministic steps before the first SDE step are the same for a group
     tail: Optional[CompressedTail] = None  # the grid after the last SDE step is re-gridded (MixGRPO-Flash)
 
     @property
@@ -118,8 +118,15 @@ def _check_steps(num_steps: int) -> None:
 
 
 @PLANS.register("full_sde")
-def full_sde(num_steps: int, iteration: int = 0, rng: Optional[random.Random] = None, /, *,
-             train_fraction: float = 0.99, random_subset: Optional[int] = None) -> RolloutPlan:
+def full_sde(
+    num_steps: int,
+    iteration: int = 0,
+    rng: Optional[random.Random] = None,
+    /,
+    *,
+    train_fraction: float = 0.99,
+    random_subset: Optional[int] = None,
+) -> RolloutPlan:
     """Flow-GRPO: every step SDE; the first floor(T * train_fraction) steps (high noise first) are trained.
 
     random_subset = k trains k random steps instead (DanceGRPO's timestep_fraction sampling).
@@ -134,9 +141,19 @@ def full_sde(num_steps: int, iteration: int = 0, rng: Optional[random.Random] = 
     return RolloutPlan("full_sde", _chain(num_steps, [True] * num_steps, trained)).validate()
 
 
-def _window_start(num_steps: int, iteration: int, rng: Optional[random.Random], size: int, schedule: str,
-                  start: int, range_end: Optional[int], stride: int, iters_per_shift: int,
-                  max_iters: int, min_iters: int) -> int:
+def _window_start(
+    num_steps: int,
+    iteration: int,
+    rng: Optional[random.Random],
+    size: int,
+    schedule: str,
+    start: int,
+    range_end: Optional[int],
+    stride: int,
+    iters_per_shift: int,
+    max_iters: int,
+    min_iters: int,
+) -> int:
     end = num_steps if range_end is None else range_end
     last = end - size  # the last valid start
     if not 0 <= start <= last:
@@ -160,10 +177,24 @@ def _window_start(num_steps: int, iteration: int, rng: Optional[random.Random], 
 
 
 @PLANS.register("window")
-def window(num_steps: int, iteration: int = 0, rng: Optional[random.Random] = None, /, *,
-           size: int = 3, schedule: str = "random", start: int = 0, range_end: Optional[int] = None,
-           stride: int = 1, iters_per_shift: int = 25, max_iters: int = 10, min_iters: int = 1,
-           post_solver: str = "euler", share_prefix: bool = True, post_compress: Optional[float] = None) -> RolloutPlan:
+def window(
+    num_steps: int,
+    iteration: int = 0,
+    rng: Optional[random.Random] = None,
+    /,
+    *,
+    size: int = 3,
+    schedule: str = "random",
+    start: int = 0,
+    range_end: Optional[int] = None,
+    stride: int = 1,
+    iters_per_shift: int = 25,
+    max_iters: int = 10,
+    min_iters: int = 1,
+    post_solver: str = "euler",
+    share_prefix: bool = True,
+    post_compress: Optional[float] = None,
+) -> RolloutPlan:
     """Flow-GRPO-Fast and MixGRPO: SDE and trained inside a window, ODE outside.
 
     Flow-GRPO-Fast: schedule=random, range_end=T/2, size 1-3. MixGRPO: schedule=progressive (or decay),
@@ -173,8 +204,9 @@ def window(num_steps: int, iteration: int = 0, rng: Optional[random.Random] = No
     time_shift grid, as MixGRPO's run_sample_step does; fewer steps are then run after the window.
     """
     _check_steps(num_steps)
-    s0 = _window_start(num_steps, iteration, rng, size, schedule, start, range_end, stride,
-                       iters_per_shift, max_iters, min_iters)
+    s0 = _window_start(
+        num_steps, iteration, rng, size, schedule, start, range_end, stride, iters_per_shift, max_iters, min_iters
+    )
     tail, total = None, num_steps
     if post_compress is not None:
         if not 0 < post_compress <= 1:
@@ -182,21 +214,34 @@ def window(num_steps: int, iteration: int = 0, rng: Optional[random.Random] = No
         last = s0 + size - 1
         points = max(int((num_steps - 1 - last) * post_compress), 1)
         if points < 2:
-            raise ValueError(f"post_compress {post_compress} leaves {points} point after step {last} of {num_steps}: "
-                             "the rebuilt tail would not reach sigma 0 (MixGRPO's grid then ends noisy)")
+            raise ValueError(
+                f"post_compress {post_compress} leaves {points} point after step {last} of {num_steps}: "
+                "the rebuilt tail would not reach sigma 0 (MixGRPO's grid then ends noisy)"
+            )
         tail = CompressedTail(start=last + 1, points=points, grid_steps=num_steps)
         total = last + points
     inside = [s0 <= i < s0 + size for i in range(total)]
     solver = ["euler" if i < s0 + size else post_solver for i in range(total)]
-    return RolloutPlan("window", _chain(total, inside, inside, solver), shared_prefix=share_prefix,
-                       tail=tail).validate()
+    return RolloutPlan(
+        "window", _chain(total, inside, inside, solver), shared_prefix=share_prefix, tail=tail
+    ).validate()
 
 
 @PLANS.register("tree")
-def tree(num_steps: int, iteration: int = 0, rng: Optional[random.Random] = None, /, *,
-         split_steps: Sequence[int] = (0, 3, 6, 9), branch: int = 2, noise_scale: float = 1.0,
-         mix_window: Optional[int] = None, mix_stride: int = 1, mix_iters_per_shift: int = 25,
-         mix_period: Optional[int] = None) -> RolloutPlan:
+def tree(
+    num_steps: int,
+    iteration: int = 0,
+    rng: Optional[random.Random] = None,
+    /,
+    *,
+    split_steps: Sequence[int] = (0, 3, 6, 9),
+    branch: int = 2,
+    noise_scale: float = 1.0,
+    mix_window: Optional[int] = None,
+    mix_stride: int = 1,
+    mix_iters_per_shift: int = 25,
+    mix_period: Optional[int] = None,
+) -> RolloutPlan:
     """BranchGRPO: every step SDE and trained; at each split step every node gets `branch` children.
 
     mix_window = w gives BranchGRPO-Mix: SDE only inside a sliding window of w steps and at split steps;
@@ -216,17 +261,28 @@ def tree(num_steps: int, iteration: int = 0, rng: Optional[random.Random] = None
     elif mix_period is not None:
         sde = [i in splits or i % mix_period < mix_window for i in range(num_steps)]
     else:
-        s0 = _window_start(num_steps, iteration, rng, mix_window, "progressive", 0, None, mix_stride,
-                           mix_iters_per_shift, 1, 1)
+        s0 = _window_start(
+            num_steps, iteration, rng, mix_window, "progressive", 0, None, mix_stride, mix_iters_per_shift, 1, 1
+        )
         sde = [i in splits or s0 <= i < s0 + mix_window for i in range(num_steps)]
-    steps = tuple(StepPlan(sde=s, trained=s, branch=branch if i in splits else 1,
-                           noise_scale=noise_scale if i in splits else 1.0) for i, s in enumerate(sde))
+    steps = tuple(
+        StepPlan(sde=s, trained=s, branch=branch if i in splits else 1, noise_scale=noise_scale if i in splits else 1.0)
+        for i, s in enumerate(sde)
+    )
     return RolloutPlan("tree", steps).validate()
 
 
 @PLANS.register("branch_points")
-def branch_points(num_steps: int, iteration: int = 0, rng: Optional[random.Random] = None, /, *,
-                  points: Optional[Sequence[int]] = None, k: int = 6, fraction: float = 0.99) -> RolloutPlan:
+def branch_points(
+    num_steps: int,
+    iteration: int = 0,
+    rng: Optional[random.Random] = None,
+    /,
+    *,
+    points: Optional[Sequence[int]] = None,
+    k: int = 6,
+    fraction: float = 0.99,
+) -> RolloutPlan:
     """TempFlow-GRPO: an ODE spine; at each branch point k SDE side children, each ODE-completed and scored.
 
     Only the side edges are trained. Default points: the first floor(T * fraction) steps.
@@ -235,14 +291,21 @@ def branch_points(num_steps: int, iteration: int = 0, rng: Optional[random.Rando
     pts = set(range(max(1, int(num_steps * fraction)))) if points is None else set(points)
     if any(not 0 <= p < num_steps for p in pts):
         raise ValueError(f"points {sorted(pts)} must lie in [0, {num_steps - 1}]")
-    steps = tuple(StepPlan(sde=False, trained=i in pts, side_branches=k if i in pts else 0)
-                  for i in range(num_steps))
+    steps = tuple(StepPlan(sde=False, trained=i in pts, side_branches=k if i in pts else 0) for i in range(num_steps))
     return RolloutPlan("branch_points", steps).validate()
 
 
 @PLANS.register("probes")
-def probes(num_steps: int, iteration: int = 0, rng: Optional[random.Random] = None, /, *,
-           window_start: int = 0, window_end: Optional[int] = None, one_step: bool = False) -> RolloutPlan:
+def probes(
+    num_steps: int,
+    iteration: int = 0,
+    rng: Optional[random.Random] = None,
+    /,
+    *,
+    window_start: int = 0,
+    window_end: Optional[int] = None,
+    one_step: bool = False,
+) -> RolloutPlan:
     """TP-GRPO / VGPO: an SDE chain with a probe from every node up to the window end.
 
     The probe at depth 0 is the pure-ODE sample from the same initial noise (TP-GRPO's R_0). TP-GRPO:
@@ -254,17 +317,20 @@ def probes(num_steps: int, iteration: int = 0, rng: Optional[random.Random] = No
         raise ValueError(f"window ({window_start}, {end}) must satisfy 0 <= start < end <= {num_steps}")
     inside = [window_start <= i < end for i in range(num_steps)]
     depths = frozenset(range(0, end))
-    return RolloutPlan("probes", _chain(num_steps, inside, inside), probe_depths=depths,
-                       one_step_probes=one_step).validate()
+    return RolloutPlan(
+        "probes", _chain(num_steps, inside, inside), probe_depths=depths, one_step_probes=one_step
+    ).validate()
 
 
 @PLANS.register("ode_only")
-def ode_only(num_steps: int, iteration: int = 0, rng: Optional[random.Random] = None, /, *,
-             solver: str = "euler") -> RolloutPlan:
+def ode_only(
+    num_steps: int, iteration: int = 0, rng: Optional[random.Random] = None, /, *, solver: str = "euler"
+) -> RolloutPlan:
     """Deterministic sampling (evaluation, DiffusionNFT rollouts); nothing is trained."""
     _check_steps(num_steps)
-    return RolloutPlan("ode_only", _chain(num_steps, [False] * num_steps, [False] * num_steps,
-                                          [solver] * num_steps)).validate()
+    return RolloutPlan(
+        "ode_only", _chain(num_steps, [False] * num_steps, [False] * num_steps, [solver] * num_steps)
+    ).validate()
 
 
 def build_plan(name: str, num_steps: int, iteration: int = 0, seed: int = 0, **settings) -> RolloutPlan:

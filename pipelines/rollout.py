@@ -17,17 +17,17 @@ from torch import Tensor
 
 @dataclass
 class RolloutTree:
-    parent: Tensor          # [N] long, -1 for roots
-    depth: Tensor           # [N] long: node depth = number of steps from the root
-    prompt: Tensor          # [N] long: index into the rollout's prompt list
-    continues: Tensor       # [N] bool: False for side children (scored by probe, never advanced)
-    states: Tensor          # [N, C, h, w] latents of every node
-    edge_step: Tensor       # [N] long: step index of the edge into the node (-1 for roots)
-    edge_sde: Tensor        # [N] bool
-    edge_trained: Tensor    # [N] bool
-    edge_logp: Tensor       # [N] float32: log-prob of the edge under the rollout policy (NaN for roots)
-    edge_std: Tensor        # [N] float32: transition std (0 for deterministic edges)
-    edge_mean: Optional[Tensor] = None   # [N, C, h, w] rollout-policy mean (GRPO-Guard); None unless kept
+    parent: Tensor  # [N] long, -1 for roots
+    depth: Tensor  # [N] long: node depth = number of steps from the root
+    prompt: Tensor  # [N] long: index into the rollout's prompt list
+    continues: Tensor  # [N] bool: False for side children (scored by probe, never advanced)
+    states: Tensor  # [N, C, h, w] latents of every node
+    edge_step: Tensor  # [N] long: step index of the edge into the node (-1 for roots)
+    edge_sde: Tensor  # [N] bool
+    edge_trained: Tensor  # [N] bool
+    edge_logp: Tensor  # [N] float32: log-prob of the edge under the rollout policy (NaN for roots)
+    edge_std: Tensor  # [N] float32: transition std (0 for deterministic edges)
+    edge_mean: Optional[Tensor] = None  # [N, C, h, w] rollout-policy mean (GRPO-Guard); None unless kept
     leaves: Tensor = field(default_factory=lambda: torch.empty(0, 0, dtype=torch.long))  # [P, L] node ids
     probe_nodes: Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))  # [M] node ids
     probe_latents: Optional[Tensor] = None  # [M, C, h, w] clean latents of each probe completion
@@ -107,8 +107,9 @@ class RolloutTree:
         depth[self.prompt, local] = self.depth
         valid[self.prompt, local] = True
         logp[self.prompt, local] = torch.nan_to_num(self.edge_logp, nan=0.0)
-        return TreeStructure(parent=parent, depth=depth, leaf_index=local[self.leaves], node_valid=valid,
-                             edge_logp=logp), local
+        return TreeStructure(
+            parent=parent, depth=depth, leaf_index=local[self.leaves], node_valid=valid, edge_logp=logp
+        ), local
 
 
 def concat_trees(trees: list[RolloutTree]) -> RolloutTree:
@@ -129,11 +130,22 @@ def concat_trees(trees: list[RolloutTree]) -> RolloutTree:
     images = [t.leaf_images for t in trees if t.leaf_images is not None]
     counters = {k: sum(t.counters.get(k, 0.0) for t in trees) for k in trees[0].counters}
     return RolloutTree(
-        parent=torch.cat(parts["parent"]), depth=cat("depth"), prompt=torch.cat(parts["prompt"]),
-        continues=cat("continues"), states=cat("states"), edge_step=cat("edge_step"), edge_sde=cat("edge_sde"),
-        edge_trained=cat("edge_trained"), edge_logp=cat("edge_logp"), edge_std=cat("edge_std"),
+        parent=torch.cat(parts["parent"]),
+        depth=cat("depth"),
+        prompt=torch.cat(parts["prompt"]),
+        continues=cat("continues"),
+        states=cat("states"),
+        edge_step=cat("edge_step"),
+        edge_sde=cat("edge_sde"),
+        edge_trained=cat("edge_trained"),
+        edge_logp=cat("edge_logp"),
+        edge_std=cat("edge_std"),
         edge_mean=cat("edge_mean") if trees[0].edge_mean is not None else None,
-        leaves=torch.cat(parts["leaves"]), probe_nodes=torch.cat(parts["probe_nodes"]),
-        probe_latents=torch.cat(probes) if probes else None, num_steps=trees[0].num_steps,
-        counters=counters, schedule=trees[0].schedule,
-        leaf_images=torch.cat(images) if len(images) == len(trees) else None)
+        leaves=torch.cat(parts["leaves"]),
+        probe_nodes=torch.cat(parts["probe_nodes"]),
+        probe_latents=torch.cat(probes) if probes else None,
+        num_steps=trees[0].num_steps,
+        counters=counters,
+        schedule=trees[0].schedule,
+        leaf_images=torch.cat(images) if len(images) == len(trees) else None,
+    )

@@ -26,21 +26,21 @@ class SamplerConfig(StrictModel):
     num_steps: int = Field(10, ge=1)
     sde_kernel: PartSpec = Field(default_factory=lambda: PartSpec(name="flow_sde"))
     guidance_scale: float = 4.5
-    negative_prompt: str = ""                    # the unconditional branch of CFG
-    cfg_mode: Literal["full", "none"] = "full"   # sampling; training re-scores with `train_cfg_mode`
+    negative_prompt: str = ""  # the unconditional branch of CFG
+    cfg_mode: Literal["full", "none"] = "full"  # sampling; training re-scores with `train_cfg_mode`
     train_cfg_mode: Literal["full", "detach_uncond", "none"] = "detach_uncond"
-    shift: Optional[float] = None                # None: the adapter's scheduler config decides
+    shift: Optional[float] = None  # None: the adapter's scheduler config decides
     # Sigma grid by name: "scheduler" (the model's diffusers scheduler) or {name: time_shift, shift: 3}
     # (DanceGRPO's sd3_time_shift over linspace(1, 0, n+1), which the FLUX GRPO papers use).
     schedule: PartSpec = Field(default_factory=lambda: PartSpec(name="scheduler"))
-    height: int = Field(32, ge=8)                # pixels; the adapter checks its own multiple and maximum
+    height: int = Field(32, ge=8)  # pixels; the adapter checks its own multiple and maximum
     width: int = Field(32, ge=8)
-    share_noise: bool = False                    # same initial noise for every root of a prompt
+    share_noise: bool = False  # same initial noise for every root of a prompt
     # With share_noise: the roots of a prompt share one noise in blocks of this many (None = all of them). The
     # Flow-GRPO-Fast pipeline draws one noise per call and repeats it to a mini-group (mini_num_image_per_prompt);
     # a group is num_image_per_prompt // mini of those calls, each with its own noise.
     share_noise_size: Optional[int] = Field(None, ge=1)
-    keep_means: bool = False                     # store the rollout mean of each edge (GRPO-Guard)
+    keep_means: bool = False  # store the rollout mean of each edge (GRPO-Guard)
     # What the images are decoded from: "final" = the last state; "last_x0" = the last step's clean
     # estimate x_{T-1} - sigma_{T-1} v, without that step's noise (DanceGRPO, Pref-GRPO, BranchGRPO,
     # MixGRPO's drop_last_sample decode pred_original). Edges and log-probs are unchanged.
@@ -56,8 +56,10 @@ class SamplerConfig(StrictModel):
         if self.share_noise_size is not None and not self.share_noise:
             raise ValueError("sampler: share_noise_size sets the blocks that share a noise; it needs share_noise: true")
         if self.schedule.name != "scheduler" and self.shift is not None:
-            raise ValueError(f"sampler: shift applies to the 'scheduler' grid; schedule '{self.schedule.name}' "
-                             "sets its own (e.g. schedule: {name: time_shift, shift: 3.0})")
+            raise ValueError(
+                f"sampler: shift applies to the 'scheduler' grid; schedule '{self.schedule.name}' "
+                "sets its own (e.g. schedule: {name: time_shift, shift: 3.0})"
+            )
 
 
 @dataclass
@@ -86,9 +88,20 @@ class _Nodes:
     mean: list = field(default_factory=list)
     count: int = 0
 
-    def add(self, parent: Tensor, depth: int, prompt: Tensor, states: Tensor, *, continues: bool = True,
-            step_index: int = -1, sde: bool = False, trained: bool = False, out: Optional[StepOutput] = None,
-            keep_mean: bool = False) -> Tensor:
+    def add(
+        self,
+        parent: Tensor,
+        depth: int,
+        prompt: Tensor,
+        states: Tensor,
+        *,
+        continues: bool = True,
+        step_index: int = -1,
+        sde: bool = False,
+        trained: bool = False,
+        out: Optional[StepOutput] = None,
+        keep_mean: bool = False,
+    ) -> Tensor:
         n = states.shape[0]
         ids = torch.arange(self.count, self.count + n)
         self.count += n
@@ -123,8 +136,10 @@ class Sampler:
         if plan is None or plan.tail is None:
             return base
         if self.config.schedule.name != "time_shift":
-            raise ValueError(f"plan '{plan.name}' rebuilds its tail on the time_shift grid: set sampler.schedule "
-                             "{name: time_shift, shift: ...} (MixGRPO's sd3_time_shift grid)")
+            raise ValueError(
+                f"plan '{plan.name}' rebuilds its tail on the time_shift grid: set sampler.schedule "
+                "{name: time_shift, shift: ...} (MixGRPO's sd3_time_shift grid)"
+            )
         settings = {"shift": 3.0, "integer_timesteps": False, **self.config.schedule.settings}
         return compress_tail(base, plan.tail.start, plan.tail.points, **settings)
 
@@ -133,14 +148,19 @@ class Sampler:
         grid = cfg.schedule.name
         if adapter.prediction == "epsilon":
             if grid != "scheduler":
-                raise ValueError(f"sampler.schedule '{grid}' is a flow-matching grid; {adapter.family} is an "
-                                 "epsilon-prediction model (use schedule: scheduler)")
+                raise ValueError(
+                    f"sampler.schedule '{grid}' is a flow-matching grid; {adapter.family} is an "
+                    "epsilon-prediction model (use schedule: scheduler)"
+                )
             return ddim_schedule(cfg.num_steps, config=adapter.scheduler_config)
         if grid != "scheduler":
             return SIGMA_GRIDS.get(grid).fn(cfg.num_steps, **cfg.schedule.settings)
         if adapter.scheduler_config.get("use_dynamic_shifting"):  # FLUX, Qwen-Image: shift from the token count
-            return flow_schedule(cfg.num_steps, image_seq_len=adapter.image_seq_len(cfg.height, cfg.width),
-                                 config=adapter.scheduler_config)
+            return flow_schedule(
+                cfg.num_steps,
+                image_seq_len=adapter.image_seq_len(cfg.height, cfg.width),
+                config=adapter.scheduler_config,
+            )
         return flow_schedule(cfg.num_steps, shift=cfg.shift, config=adapter.scheduler_config)
 
     def _kernel(self, adapter, sde: bool, solver: str) -> tuple[str, dict]:
@@ -149,8 +169,10 @@ class Sampler:
                 raise ValueError("solver 'dpm2m' is for flow-matching models; epsilon models use ddim (eta 0)")
             if sde:
                 if self.config.sde_kernel.name != "ddim":
-                    raise ValueError(f"sde_kernel '{self.config.sde_kernel.name}' is a flow-matching kernel; "
-                                     f"epsilon-prediction models ({adapter.family}) need 'ddim'")
+                    raise ValueError(
+                        f"sde_kernel '{self.config.sde_kernel.name}' is a flow-matching kernel; "
+                        f"epsilon-prediction models ({adapter.family}) need 'ddim'"
+                    )
                 return "ddim", self.config.sde_kernel.settings
             return "ddim", {"eta": 0.0}
         if sde:
@@ -165,8 +187,9 @@ class Sampler:
             return schedule.timesteps[steps]
         return schedule.sigmas[steps] if schedule.model_sigmas is None else schedule.model_sigmas[steps]
 
-    def _forward(self, adapter, x: Tensor, steps: Tensor, schedule, embeds, prompt: Tensor, cfg_mode: str,
-                 grad: bool) -> Tensor:
+    def _forward(
+        self, adapter, x: Tensor, steps: Tensor, schedule, embeds, prompt: Tensor, cfg_mode: str, grad: bool
+    ) -> Tensor:
         rows = x.shape[0] * (1 if cfg_mode == "none" else 2)
         if grad:
             self.counters.nfe_grad += rows
@@ -178,32 +201,45 @@ class Sampler:
     # --- rollout ---------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def run(self, adapter, prompts: list[str], plan: RolloutPlan, group_size: int,
-            generator: Optional[torch.Generator] = None) -> RolloutTree:
+    def run(
+        self,
+        adapter,
+        prompts: list[str],
+        plan: RolloutPlan,
+        group_size: int,
+        generator: Optional[torch.Generator] = None,
+    ) -> RolloutTree:
         """Sample `group_size` final states per prompt by `plan`; returns every node and edge."""
         if not self.config.inference_mode:
             return self._run(adapter, prompts, plan, group_size, generator)
-        adapter.encode_prompts(prompts, self.config.negative_prompt)  # cached outside inference mode: training reuses these rows
+        adapter.encode_prompts(
+            prompts, self.config.negative_prompt
+        )  # cached outside inference mode: training reuses these rows
         with torch.inference_mode():
             tree = self._run(adapter, prompts, plan, group_size, generator)
         return _out_of_inference_mode(tree)
 
-    def _run(self, adapter, prompts: list[str], plan: RolloutPlan, group_size: int,
-             generator: Optional[torch.Generator]) -> RolloutTree:
+    def _run(
+        self, adapter, prompts: list[str], plan: RolloutPlan, group_size: int, generator: Optional[torch.Generator]
+    ) -> RolloutTree:
         cfg = self.config
         if plan.grid_steps != cfg.num_steps:
             raise ValueError(f"plan has {plan.grid_steps} steps but the sampler is set to num_steps={cfg.num_steps}")
         leaves = plan.leaves_per_root
         if group_size % leaves:
-            raise ValueError(f"plan '{plan.name}' gives {leaves} final states per root; group_size {group_size} "
-                             f"must be a multiple of it")
+            raise ValueError(
+                f"plan '{plan.name}' gives {leaves} final states per root; group_size {group_size} "
+                f"must be a multiple of it"
+            )
         roots = group_size // leaves
         block = 1  # roots per initial noise
         if cfg.share_noise:
             block = min(cfg.share_noise_size or roots, roots)  # fewer roots than a block (eval): one noise
             if roots % block:
-                raise ValueError(f"share_noise_size {block} must divide the {roots} roots per prompt (group_size "
-                                 f"{group_size} / {leaves} final states per root)")
+                raise ValueError(
+                    f"share_noise_size {block} must divide the {roots} roots per prompt (group_size "
+                    f"{group_size} / {leaves} final states per root)"
+                )
         if plan.shared_prefix and block > 1:
             first = plan.first_stochastic_step
             if first is not None and plan.steps[first].sde:  # a shared prefix is a tree split at the first SDE step
@@ -221,8 +257,9 @@ class Sampler:
         x = draw(P * roots // block).repeat_interleave(block, 0)
         frontier_prompt = torch.arange(P).repeat_interleave(roots)
         nodes = _Nodes()
-        frontier = nodes.add(torch.full((x.shape[0],), -1, dtype=torch.long), 0, frontier_prompt, x,
-                             keep_mean=cfg.keep_means)
+        frontier = nodes.add(
+            torch.full((x.shape[0],), -1, dtype=torch.long), 0, frontier_prompt, x, keep_mean=cfg.keep_means
+        )
         probe_ids, probe_latents = [], []
         state, last_x0 = None, None
         for i, sp in enumerate(plan.steps):
@@ -237,11 +274,22 @@ class Sampler:
                 xs, vs = x.repeat_interleave(k, 0), v.repeat_interleave(k, 0)
                 out = step(name, xs, vs, schedule, i, generator=generator, **settings)
                 side_prompt = frontier_prompt.repeat_interleave(k)
-                side = nodes.add(frontier.repeat_interleave(k), i + 1, side_prompt, out.x_next, continues=False,
-                                 step_index=i, sde=True, trained=sp.trained, out=out, keep_mean=cfg.keep_means)
+                side = nodes.add(
+                    frontier.repeat_interleave(k),
+                    i + 1,
+                    side_prompt,
+                    out.x_next,
+                    continues=False,
+                    step_index=i,
+                    sde=True,
+                    trained=sp.trained,
+                    out=out,
+                    keep_mean=cfg.keep_means,
+                )
                 probe_ids.append(side)
-                probe_latents.append(self.complete(adapter, out.x_next, i + 1, schedule, embeds, side_prompt,
-                                                   plan.probe_solver))
+                probe_latents.append(
+                    self.complete(adapter, out.x_next, i + 1, schedule, embeds, side_prompt, plan.probe_solver)
+                )
             name, settings = self._kernel(adapter, sp.sde, sp.solver)
             if sp.branch > 1:
                 x, v = x.repeat_interleave(sp.branch, 0), v.repeat_interleave(sp.branch, 0)
@@ -253,8 +301,17 @@ class Sampler:
             else:
                 out = self._deterministic_step(name, settings, x, v, schedule, i, state)
             x, state = out.x_next, out.state
-            frontier = nodes.add(frontier, i + 1, frontier_prompt, x, step_index=i, sde=sp.sde,
-                                 trained=sp.trained and sp.sde, out=out, keep_mean=cfg.keep_means)
+            frontier = nodes.add(
+                frontier,
+                i + 1,
+                frontier_prompt,
+                x,
+                step_index=i,
+                sde=sp.sde,
+                trained=sp.trained and sp.sde,
+                out=out,
+                keep_mean=cfg.keep_means,
+            )
             if cfg.decode == "last_x0" and i == plan.num_steps - 1:
                 last_x0 = out.x0_hat.to(x.dtype)
         tree = self._assemble(nodes, frontier, frontier_prompt, P, plan.num_steps, probe_ids, probe_latents)
@@ -266,12 +323,22 @@ class Sampler:
         tree.counters = {k: after[k] - before[k] for k in after}
         return tree
 
-    def complete(self, adapter, x: Tensor, start: int, schedule, embeds, prompt: Tensor, solver: str = "euler") -> Tensor:
+    def complete(
+        self, adapter, x: Tensor, start: int, schedule, embeds, prompt: Tensor, solver: str = "euler"
+    ) -> Tensor:
         """Deterministic completion from step `start` to x0, batched over every row."""
         state = None
         for i in range(start, schedule.num_steps):
-            v = self._forward(adapter, x, torch.full((x.shape[0],), i, dtype=torch.long), schedule, embeds,
-                              prompt, self.config.cfg_mode, grad=False)
+            v = self._forward(
+                adapter,
+                x,
+                torch.full((x.shape[0],), i, dtype=torch.long),
+                schedule,
+                embeds,
+                prompt,
+                self.config.cfg_mode,
+                grad=False,
+            )
             name, settings = self._kernel(adapter, False, solver)
             out = self._deterministic_step(name, settings, x, v, schedule, i, state)
             x, state = out.x_next, out.state
@@ -291,24 +358,35 @@ class Sampler:
         return self.complete(adapter, x, i, schedule, embeds, prompt, plan.probe_solver)
 
     @staticmethod
-    def _assemble(nodes: _Nodes, frontier: Tensor, frontier_prompt: Tensor, P: int, T: int,
-                  probe_ids: list, probe_latents: list) -> RolloutTree:
+    def _assemble(
+        nodes: _Nodes, frontier: Tensor, frontier_prompt: Tensor, P: int, T: int, probe_ids: list, probe_latents: list
+    ) -> RolloutTree:
         cat = torch.cat
         order = torch.argsort(frontier_prompt, stable=True)
         leaves = frontier[order].view(P, -1)
         return RolloutTree(
-            parent=cat(nodes.parent), depth=cat(nodes.depth), prompt=cat(nodes.prompt),
-            continues=cat(nodes.continues), states=cat(nodes.states), edge_step=cat(nodes.step),
-            edge_sde=cat(nodes.sde), edge_trained=cat(nodes.trained), edge_logp=cat(nodes.logp),
-            edge_std=cat(nodes.std), edge_mean=cat(nodes.mean) if nodes.mean else None, leaves=leaves,
+            parent=cat(nodes.parent),
+            depth=cat(nodes.depth),
+            prompt=cat(nodes.prompt),
+            continues=cat(nodes.continues),
+            states=cat(nodes.states),
+            edge_step=cat(nodes.step),
+            edge_sde=cat(nodes.sde),
+            edge_trained=cat(nodes.trained),
+            edge_logp=cat(nodes.logp),
+            edge_std=cat(nodes.std),
+            edge_mean=cat(nodes.mean) if nodes.mean else None,
+            leaves=leaves,
             probe_nodes=cat(probe_ids) if probe_ids else torch.empty(0, dtype=torch.long),
-            probe_latents=cat(probe_latents) if probe_latents else None, num_steps=T,
+            probe_latents=cat(probe_latents) if probe_latents else None,
+            num_steps=T,
         )
 
     # --- training-time re-scoring ----------------------------------------------------------------
 
-    def rescore(self, adapter, tree: RolloutTree, edges: Tensor, prompts: list[str],
-                cfg_mode: Optional[str] = None) -> StepOutput:
+    def rescore(
+        self, adapter, tree: RolloutTree, edges: Tensor, prompts: list[str], cfg_mode: Optional[str] = None
+    ) -> StepOutput:
         """Log-prob and mean of the stored transitions `edges` under the adapter's current weights.
 
         Runs with grad (call it inside torch.no_grad() for the reference or old policy). Edges of
@@ -323,8 +401,9 @@ class Sampler:
         mode = cfg_mode or self.config.train_cfg_mode
         if self.config.cfg_mode == "none":
             mode = "none"
-        v = self._forward(adapter, x, steps, tree.schedule, embeds, tree.prompt[edges], mode,
-                          grad=torch.is_grad_enabled())
+        v = self._forward(
+            adapter, x, steps, tree.schedule, embeds, tree.prompt[edges], mode, grad=torch.is_grad_enabled()
+        )
         name, settings = self._kernel(adapter, True, "euler")
         return rescore(name, x, x_next, v, tree.schedule, steps.to(x.device), **settings)
 

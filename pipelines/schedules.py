@@ -233,8 +233,9 @@ def time_shift_schedule(num_steps: int, *, shift: float = 3.0, integer_timesteps
     return FlowSchedule(schedule.sigmas, whole.float(), whole.float() / 1000)
 
 
-def compress_tail(schedule: FlowSchedule, start: int, points: int, *, shift: float,
-                  integer_timesteps: bool = False) -> FlowSchedule:
+def compress_tail(
+    schedule: FlowSchedule, start: int, points: int, *, shift: float, integer_timesteps: bool = False
+) -> FlowSchedule:
     """MixGRPO-Flash's rebuilt tail of a time_shift grid: keep sigmas[:start], then `points` values
     s*u / (1 + (s-1)*u) over u = linspace(t_start, 0, points), t_start the unshifted time of sigmas[start].
 

@@ -29,9 +29,9 @@ class CompileConfig(StrictModel):
     reused by all of them: compile time is that of one block, not of the whole model."""
 
     enabled: bool = False
-    backend: str = "inductor"                 # any torch.compiler.list_backends() name ("aot_eager" for CPU tests)
-    mode: Optional[str] = None                # None | default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
-    dynamic: Optional[bool] = None            # None: torch decides (rollout and micro-batch sizes differ)
+    backend: str = "inductor"  # any torch.compiler.list_backends() name ("aot_eager" for CPU tests)
+    mode: Optional[str] = None  # None | default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
+    dynamic: Optional[bool] = None  # None: torch decides (rollout and micro-batch sizes differ)
     fullgraph: bool = False
 
     @model_validator(mode="after")
@@ -41,7 +41,9 @@ class CompileConfig(StrictModel):
         if self.enabled:
             backends = set(torch.compiler.list_backends(exclude_tags=())) | {"inductor"}
             if self.backend not in backends:
-                raise ValueError(f"compile.backend '{self.backend}' is not a torch.compile backend; valid: {sorted(backends)}")
+                raise ValueError(
+                    f"compile.backend '{self.backend}' is not a torch.compile backend; valid: {sorted(backends)}"
+                )
         return self
 
 
@@ -51,7 +53,7 @@ class SpeedConfig(StrictModel):
     # families whose attention processors use diffusers' dispatcher (FLUX, Qwen-Image; not SD3 / SD1.5).
     attention_backend: str = "native"
     compile: CompileConfig = Field(default_factory=CompileConfig)
-    gradient_checkpointing: bool = False      # recompute each block's activations in backward (memory for time)
+    gradient_checkpointing: bool = False  # recompute each block's activations in backward (memory for time)
     # Mixed precision of every denoiser forward (rollout and training alike, so the ratio stays 1): the
     # weights keep their dtype (fp32 master weights for full fine-tuning, fp32 LoRA), matmuls run in this one.
     autocast: Optional[Literal["bfloat16", "float16"]] = None
@@ -68,11 +70,15 @@ class SpeedConfig(StrictModel):
 
         names = sorted(b.value for b in AttentionBackendName)
         if self.attention_backend not in names:
-            raise ValueError(f"speed.attention_backend '{self.attention_backend}' is not a diffusers attention "
-                             f"backend; valid: {names}")
+            raise ValueError(
+                f"speed.attention_backend '{self.attention_backend}' is not a diffusers attention "
+                f"backend; valid: {names}"
+            )
         if self.attention_backend == "xformers" and importlib.util.find_spec("xformers") is None:
-            raise ValueError("speed.attention_backend xformers needs the xformers package (pip install xformers); "
-                             "or use native (PyTorch SDPA)")
+            raise ValueError(
+                "speed.attention_backend xformers needs the xformers package (pip install xformers); "
+                "or use native (PyTorch SDPA)"
+            )
         return self
 
 
@@ -107,8 +113,10 @@ def set_attention_backend(adapter: Any, backend: str) -> str:
     if backend == "xformers":  # SD3 / SD1.5 processors predate the dispatcher: swap in the xformers processors
         denoiser.enable_xformers_memory_efficient_attention()
         return "processors"
-    raise ValueError(f"{adapter.family}: attention backend '{backend}' needs diffusers' attention dispatcher, which "
-                     f"this family's processors do not use; choose native or xformers")
+    raise ValueError(
+        f"{adapter.family}: attention backend '{backend}' needs diffusers' attention dispatcher, which "
+        f"this family's processors do not use; choose native or xformers"
+    )
 
 
 def apply_speed(adapter: Any, cfg: SpeedConfig) -> dict[str, Any]:

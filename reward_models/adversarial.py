@@ -53,9 +53,18 @@ class DinoDiscriminator(Pretrained, Scorer):
     name = "dino_discriminator"
     differentiable = False  # scores are computed without grad; training goes through hinge_loss
 
-    def __init__(self, backbone: Dinov2Backbone, head: DiscriminatorHead, *, num_patches: int = 64,
-                 cls_weight: float = 0.7, patch_weight: float = 0.3, seed: int = 0, batch_size: int = 32,
-                 key: str | None = None):
+    def __init__(
+        self,
+        backbone: Dinov2Backbone,
+        head: DiscriminatorHead,
+        *,
+        num_patches: int = 64,
+        cls_weight: float = 0.7,
+        patch_weight: float = 0.3,
+        seed: int = 0,
+        batch_size: int = 32,
+        key: str | None = None,
+    ):
         super().__init__(batch_size=batch_size, key=key)
         if int(num_patches) < 1:
             raise ValueError(f"num_patches must be >= 1, got {num_patches}")
@@ -86,7 +95,7 @@ class DinoDiscriminator(Pretrained, Scorer):
         return out
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        head = {k[len("head."):]: v for k, v in tensors.items() if k.startswith("head.")}
+        head = {k[len("head.") :]: v for k, v in tensors.items() if k.startswith("head.")}
         self.head.load_state_dict(head, strict=True)
         if "patch_generator" not in tensors:
             raise KeyError("dino_discriminator state has no 'patch_generator'")
@@ -112,7 +121,7 @@ class DinoDiscriminator(Pretrained, Scorer):
         batch = ImageBatch.of(images)
         cls_parts, patch_parts = [], []
         for start in range(0, len(batch), self.batch_size):
-            part = batch[start:start + self.batch_size]
+            part = batch[start : start + self.batch_size]
             # The backbone's own preprocessing (resize to its size, ImageNet statistics).
             tokens = self.backbone.model(pixel_values=self.backbone.tensor_pixels(part)).last_hidden_state
             tokens = tokens.float()
@@ -135,8 +144,7 @@ class DinoDiscriminator(Pretrained, Scorer):
     @torch.no_grad()
     def score_batch(self, images, prompts, metadata):
         h_cls, h_patch = self.logits(*self.features(images))
-        return {self.key: self.combine(h_cls, h_patch), f"{self.key}/cls": h_cls,
-                f"{self.key}/patch": h_patch.mean(-1)}
+        return {self.key: self.combine(h_cls, h_patch), f"{self.key}/cls": h_cls, f"{self.key}/patch": h_patch.mean(-1)}
 
     def hinge_loss(self, real_images, fake_images) -> tuple[torch.Tensor, dict[str, float]]:
         """Hinge loss with real_images as positives and fake_images as negatives; the gradient
@@ -160,7 +168,9 @@ class DinoDiscriminator(Pretrained, Scorer):
         with torch.no_grad():
             accuracy = 0.5 * (float((h_real > 0).float().mean()) + float((h_fake < 0).float().mean()))
             metrics = {
-                "d_loss": float(loss), "cls_loss": float(cls_loss), "patch_loss": float(patch_loss),
+                "d_loss": float(loss),
+                "cls_loss": float(cls_loss),
+                "patch_loss": float(patch_loss),
                 "real_score": float(self.combine(h_real, hp_real).mean()),
                 "fake_score": float(self.combine(h_fake, hp_fake).mean()),
                 "accuracy": accuracy,
@@ -179,15 +189,30 @@ def _finite(images, what: str) -> ImageBatch:
 
 
 @register("dino_discriminator")
-def build_dino_discriminator(*, model: str = DINOV2_BASE, head: str | None = None, tiny: bool = False,
-                             image_size: int | None = None, device: str = "auto", dtype: str = "float32",
-                             batch_size: int = 32, num_patches: int = 64, cls_weight: float = 0.7,
-                             patch_weight: float = 0.3, head_hidden: int = 512, seed: int = 0,
-                             local_files_only: bool = False, key: str | None = None) -> DinoDiscriminator:
+def build_dino_discriminator(
+    *,
+    model: str = DINOV2_BASE,
+    head: str | None = None,
+    tiny: bool = False,
+    image_size: int | None = None,
+    device: str = "auto",
+    dtype: str = "float32",
+    batch_size: int = 32,
+    num_patches: int = 64,
+    cls_weight: float = 0.7,
+    patch_weight: float = 0.3,
+    head_hidden: int = 512,
+    seed: int = 0,
+    local_files_only: bool = False,
+    key: str | None = None,
+) -> DinoDiscriminator:
     """Adv-GRPO DINO-as-D: frozen DINOv2 + trainable MLP head on CLS and random patches."""
     kw = dict(image_size=image_size, device=device, dtype=dtype)
-    backbone = Dinov2Backbone.tiny(0, **kw) if tiny else Dinov2Backbone.from_pretrained(
-        model, local_files_only=local_files_only, **kw)
+    backbone = (
+        Dinov2Backbone.tiny(0, **kw)
+        if tiny
+        else Dinov2Backbone.from_pretrained(model, local_files_only=local_files_only, **kw)
+    )
     hidden = backbone.model.config.hidden_size
     with torch.random.fork_rng(devices=[]):  # seeded head, the caller's RNG untouched
         torch.manual_seed(seed)
@@ -200,5 +225,13 @@ def build_dino_discriminator(*, model: str = DINOV2_BASE, head: str | None = Non
             raise ValueError(f"{head}: not a discriminator head (keys: {sorted(state)[:8]})")
         mlp = DiscriminatorHead(state["layers.0.weight"].shape[1], state["layers.0.weight"].shape[0])
         mlp.load_state_dict(state, strict=True)
-    return DinoDiscriminator(backbone, mlp, num_patches=num_patches, cls_weight=cls_weight,
-                             patch_weight=patch_weight, seed=seed, batch_size=batch_size, key=key)
+    return DinoDiscriminator(
+        backbone,
+        mlp,
+        num_patches=num_patches,
+        cls_weight=cls_weight,
+        patch_weight=patch_weight,
+        seed=seed,
+        batch_size=batch_size,
+        key=key,
+    )

@@ -33,9 +33,12 @@ class AestheticHead(nn.Module):
         d1, d2, d3 = AESTHETIC_DROPOUT
         self.input_dim = input_dim
         self.layers = nn.Sequential(
-            nn.Linear(input_dim, h1), nn.Dropout(d1),
-            nn.Linear(h1, h2), nn.Dropout(d2),
-            nn.Linear(h2, h3), nn.Dropout(d3),
+            nn.Linear(input_dim, h1),
+            nn.Dropout(d1),
+            nn.Linear(h1, h2),
+            nn.Dropout(d2),
+            nn.Linear(h2, h3),
+            nn.Dropout(d3),
             nn.Linear(h3, h4),
             nn.Linear(h4, 1),
         )
@@ -78,8 +81,9 @@ class AestheticScorer(Pretrained, Scorer):
 
     def __init__(self, backbone: ClipBackbone, head: AestheticHead, *, batch_size: int = 32, key: str | None = None):
         if head.input_dim != backbone.embed_dim:
-            raise ValueError(f"aesthetic head expects {head.input_dim}-d embeddings, "
-                             f"the CLIP projects to {backbone.embed_dim}")
+            raise ValueError(
+                f"aesthetic head expects {head.input_dim}-d embeddings, the CLIP projects to {backbone.embed_dim}"
+            )
         super().__init__(batch_size=batch_size, key=key)
         self.backbone = backbone
         self.head = head.eval().requires_grad_(False).to(device=backbone.device, dtype=torch.float32)
@@ -96,16 +100,35 @@ class AestheticScorer(Pretrained, Scorer):
 
 
 @register("aesthetic")
-def build_aesthetic(*, head: str | None = None, model: str = CLIP_L14, processor: str | None = None,
-                    tiny: bool = False, device: str = "auto", dtype: str = "float32", preprocess: str = "tensor",
-                    batch_size: int = 32, local_files_only: bool = False, key: str | None = None) -> AestheticScorer:
+def build_aesthetic(
+    *,
+    head: str | None = None,
+    model: str = CLIP_L14,
+    processor: str | None = None,
+    tiny: bool = False,
+    device: str = "auto",
+    dtype: str = "float32",
+    preprocess: str = "tensor",
+    batch_size: int = 32,
+    local_files_only: bool = False,
+    key: str | None = None,
+) -> AestheticScorer:
     """LAION aesthetic predictor v2 on CLIP-L/14; `head` is a safetensors file."""
     if head is None and not tiny:  # checked before any download
-        raise ValueError("aesthetic needs head=<path to the head as .safetensors>; convert the released "
-                         "sac+logos+ava1-l14-linearMSE.pth with reward_models.aesthetic.convert_aesthetic_pth")
+        raise ValueError(
+            "aesthetic needs head=<path to the head as .safetensors>; convert the released "
+            "sac+logos+ava1-l14-linearMSE.pth with reward_models.aesthetic.convert_aesthetic_pth"
+        )
     mlp = AestheticHead.from_file(head) if head is not None else None
-    backbone = load_clip(model, processor=processor, tiny=tiny, local_files_only=local_files_only,
-                         device=device, dtype=dtype, preprocess=preprocess)
+    backbone = load_clip(
+        model,
+        processor=processor,
+        tiny=tiny,
+        local_files_only=local_files_only,
+        device=device,
+        dtype=dtype,
+        preprocess=preprocess,
+    )
     if mlp is None:  # tiny: a random head sized to the tiny CLIP
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)

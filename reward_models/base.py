@@ -43,7 +43,9 @@ class Scorer:
     def score_batch(self, images: ImageBatch, prompts: list[str], metadata: dict[str, list]) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
-    def __call__(self, images, prompts: Sequence[str] | None = None, metadata: Metadata | None = None) -> dict[str, torch.Tensor]:
+    def __call__(
+        self, images, prompts: Sequence[str] | None = None, metadata: Metadata | None = None
+    ) -> dict[str, torch.Tensor]:
         batch = ImageBatch.of(images)
         n = len(batch)
         prompts = check_prompts(prompts, n, self.requires_prompts, self.name)
@@ -124,10 +126,14 @@ class PairwiseScorer:
         self.batch_size = int(batch_size)
         self.counters: Counter = Counter()
 
-    def compare_batch(self, a: ImageBatch, b: ImageBatch, prompts: list[str], metadata: dict[str, list]) -> torch.Tensor:
+    def compare_batch(
+        self, a: ImageBatch, b: ImageBatch, prompts: list[str], metadata: dict[str, list]
+    ) -> torch.Tensor:
         raise NotImplementedError
 
-    def __call__(self, images_a, images_b, prompts: Sequence[str] | None = None, metadata: Metadata | None = None) -> torch.Tensor:
+    def __call__(
+        self, images_a, images_b, prompts: Sequence[str] | None = None, metadata: Metadata | None = None
+    ) -> torch.Tensor:
         a, b = ImageBatch.of(images_a), ImageBatch.of(images_b)
         n = len(a)
         if len(b) != n:

@@ -79,21 +79,54 @@ class PickScore(_ClipTextImage):
 
 
 @register("clip_score")
-def build_clip_score(*, model: str = CLIP_L14, processor: str | None = None, variant: str = "cosine",
-                     prompt_prefix: str = "", tiny: bool = False, device: str = "auto", dtype: str = "float32",
-                     preprocess: str = "tensor", batch_size: int = 32, local_files_only: bool = False,
-                     key: str | None = None) -> ClipScore:
+def build_clip_score(
+    *,
+    model: str = CLIP_L14,
+    processor: str | None = None,
+    variant: str = "cosine",
+    prompt_prefix: str = "",
+    tiny: bool = False,
+    device: str = "auto",
+    dtype: str = "float32",
+    preprocess: str = "tensor",
+    batch_size: int = 32,
+    local_files_only: bool = False,
+    key: str | None = None,
+) -> ClipScore:
     """CLIP text-image cosine (variants: cosine, hessel, torchmetrics)."""
-    backbone = load_clip(model, processor=processor, tiny=tiny, local_files_only=local_files_only,
-                         device=device, dtype=dtype, preprocess=preprocess)
+    backbone = load_clip(
+        model,
+        processor=processor,
+        tiny=tiny,
+        local_files_only=local_files_only,
+        device=device,
+        dtype=dtype,
+        preprocess=preprocess,
+    )
     return ClipScore(backbone, variant=variant, prompt_prefix=prompt_prefix, batch_size=batch_size, key=key)
 
 
 @register("pickscore")
-def build_pickscore(*, model: str = PICKSCORE_V1, processor: str | None = CLIP_H14_LAION, tiny: bool = False,
-                    device: str = "auto", dtype: str = "float32", preprocess: str = "tensor", batch_size: int = 32,
-                    local_files_only: bool = False, key: str | None = None) -> PickScore:
+def build_pickscore(
+    *,
+    model: str = PICKSCORE_V1,
+    processor: str | None = CLIP_H14_LAION,
+    tiny: bool = False,
+    device: str = "auto",
+    dtype: str = "float32",
+    preprocess: str = "tensor",
+    batch_size: int = 32,
+    local_files_only: bool = False,
+    key: str | None = None,
+) -> PickScore:
     """PickScore v1: exp(logit_scale) * cos on CLIP-H/14."""
-    backbone = load_clip(model, processor=processor, tiny=tiny, local_files_only=local_files_only,
-                         device=device, dtype=dtype, preprocess=preprocess)
+    backbone = load_clip(
+        model,
+        processor=processor,
+        tiny=tiny,
+        local_files_only=local_files_only,
+        device=device,
+        dtype=dtype,
+        preprocess=preprocess,
+    )
     return PickScore(backbone, batch_size=batch_size, key=key)

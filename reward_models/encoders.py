@@ -23,9 +23,11 @@ def clip_image_processor_class():
     transformers 5.x calls it CLIPImageProcessorPil; in 4.x CLIPImageProcessor is PIL-based."""
     try:
         from transformers import CLIPImageProcessorPil
+
         return CLIPImageProcessorPil
     except ImportError:
         from transformers import CLIPImageProcessor
+
         return CLIPImageProcessor
 
 
@@ -66,8 +68,15 @@ class ClipBackbone(_Backbone):
         self.max_length = min(int(tokenizer.model_max_length), model.config.text_config.max_position_embeddings)
 
     @classmethod
-    def from_pretrained(cls, model: str, *, processor: str | None = None, local_files_only: bool = False,
-                        revision: str | None = None, **kwargs) -> "ClipBackbone":
+    def from_pretrained(
+        cls,
+        model: str,
+        *,
+        processor: str | None = None,
+        local_files_only: bool = False,
+        revision: str | None = None,
+        **kwargs,
+    ) -> "ClipBackbone":
         """model: a local directory or a hub id of a CLIPModel checkpoint; processor: where the
         tokenizer and preprocessor config live (PickScore takes them from the laion CLIP-H repo)."""
         from transformers import AutoTokenizer, CLIPModel
@@ -113,10 +122,12 @@ class ClipBackbone(_Backbone):
         """Projected text embeddings [B, D]; each distinct prompt is encoded once (GRPO groups
         repeat prompts)."""
         unique = list(dict.fromkeys(prompts))
-        tokens = self.tokenizer(unique, padding=True, truncation=True, max_length=self.max_length,
-                                return_tensors="pt").to(self.device)
-        feats = pooled(self.model.get_text_features(input_ids=tokens["input_ids"],
-                                                    attention_mask=tokens["attention_mask"]))
+        tokens = self.tokenizer(
+            unique, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+        ).to(self.device)
+        feats = pooled(
+            self.model.get_text_features(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"])
+        )
         index = torch.tensor([unique.index(p) for p in prompts], device=feats.device)
         return feats[index]
 
@@ -134,8 +145,9 @@ class Dinov2Backbone(_Backbone):
         super().__init__(model, spec, device, dtype)
 
     @classmethod
-    def from_pretrained(cls, model: str, *, local_files_only: bool = False, revision: str | None = None,
-                        **kwargs) -> "Dinov2Backbone":
+    def from_pretrained(
+        cls, model: str, *, local_files_only: bool = False, revision: str | None = None, **kwargs
+    ) -> "Dinov2Backbone":
         from transformers import Dinov2Model
 
         return cls(Dinov2Model.from_pretrained(model, local_files_only=local_files_only, revision=revision), **kwargs)
@@ -154,8 +166,15 @@ class Dinov2Backbone(_Backbone):
             return self.model(pixel_values=self.tensor_pixels(images)).pooler_output
 
 
-def load_clip(model: str, *, processor: str | None = None, tiny: bool = False, seed: int = 0,
-              local_files_only: bool = False, **kwargs) -> ClipBackbone:
+def load_clip(
+    model: str,
+    *,
+    processor: str | None = None,
+    tiny: bool = False,
+    seed: int = 0,
+    local_files_only: bool = False,
+    **kwargs,
+) -> ClipBackbone:
     """The scorer factories' one way to get a CLIP: real weights, or a tiny random one."""
     if tiny:
         return ClipBackbone.tiny(seed, **kwargs)

@@ -104,8 +104,9 @@ def iou(a: Sequence[float], b: Sequence[float]) -> float:
     return inter / union if union > 0 else 0.0
 
 
-def keep_detections(detections: Sequence[Detection], *, threshold: float, max_objects: int = MAX_OBJECTS,
-                    nms_iou: float = NMS_IOU) -> dict[str, list[Detection]]:
+def keep_detections(
+    detections: Sequence[Detection], *, threshold: float, max_objects: int = MAX_OBJECTS, nms_iou: float = NMS_IOU
+) -> dict[str, list[Detection]]:
     """Per class: score > threshold, best first, at most max_objects, greedy NMS (off at 1.0)."""
     by_class: dict[str, list[Detection]] = {}
     for det in detections:
@@ -126,12 +127,16 @@ def keep_detections(detections: Sequence[Detection], *, threshold: float, max_ob
 
 def relative_position(box_a: Sequence[float], box_b: Sequence[float], margin: float = POSITION_MARGIN) -> set[str]:
     """Relations of A to B ("left of", "right of", "above", "below"), boxes [x1, y1, x2, y2]."""
-    centre = [((box_a[0] + box_a[2]) / 2, (box_a[1] + box_a[3]) / 2), ((box_b[0] + box_b[2]) / 2, (box_b[1] + box_b[3]) / 2)]
+    centre = [
+        ((box_a[0] + box_a[2]) / 2, (box_a[1] + box_a[3]) / 2),
+        ((box_b[0] + box_b[2]) / 2, (box_b[1] + box_b[3]) / 2),
+    ]
     size_a = (abs(box_a[2] - box_a[0]), abs(box_a[3] - box_a[1]))
     size_b = (abs(box_b[2] - box_b[0]), abs(box_b[3] - box_b[1]))
     offset = [centre[0][k] - centre[1][k] for k in range(2)]
-    shrunk = [max(abs(offset[k]) - margin * (size_a[k] + size_b[k]), 0.0) * math.copysign(1.0, offset[k])
-              for k in range(2)]
+    shrunk = [
+        max(abs(offset[k]) - margin * (size_a[k] + size_b[k]), 0.0) * math.copysign(1.0, offset[k]) for k in range(2)
+    ]
     if all(abs(v) < 1e-3 for v in shrunk):
         return set()
     norm = math.hypot(*offset)
@@ -169,10 +174,17 @@ def check_geneval_metadata(meta: Any, where: str = "") -> dict:
     for k, req in enumerate(include):
         if "position" in req:
             pos = req["position"]
-            if (not isinstance(pos, (list, tuple)) or len(pos) != 2 or pos[0] not in RELATIONS
-                    or not isinstance(pos[1], int) or not 0 <= pos[1] < k):
-                raise ValueError(f"GenEval metadata{where}: include {k} position must be [relation in {RELATIONS}, "
-                                 f"index of an earlier include entry], got {pos!r}")
+            if (
+                not isinstance(pos, (list, tuple))
+                or len(pos) != 2
+                or pos[0] not in RELATIONS
+                or not isinstance(pos[1], int)
+                or not 0 <= pos[1] < k
+            ):
+                raise ValueError(
+                    f"GenEval metadata{where}: include {k} position must be [relation in {RELATIONS}, "
+                    f"index of an earlier include entry], got {pos!r}"
+                )
         if "color" in req and not isinstance(req["color"], str):
             raise ValueError(f"GenEval metadata{where}: include {k} color must be a string, got {req['color']!r}")
 
@@ -185,8 +197,9 @@ def check_geneval_metadata(meta: Any, where: str = "") -> dict:
     return {**meta, "include": [clause(r) for r in include], "exclude": [clause(r) for r in meta.get("exclude") or []]}
 
 
-def _check(detected: Mapping[str, list[Detection]], meta: Mapping, *, exact: bool,
-           margin: float) -> tuple[bool, list[float], list[str]]:
+def _check(
+    detected: Mapping[str, list[Detection]], meta: Mapping, *, exact: bool, margin: float
+) -> tuple[bool, list[float], list[str]]:
     ok, terms, reasons = True, [], []
     groups: list[list[Detection] | None] = []
     for req in meta["include"]:
@@ -214,8 +227,9 @@ def _check(detected: Mapping[str, list[Detection]], meta: Mapping, *, exact: boo
                     good = False
                     reasons.append(f"no target for {cls} to be {relation}")
                 else:
-                    good = all(relation in relative_position(o.box, t.box, margin)
-                               for o in found for t in groups[target])
+                    good = all(
+                        relation in relative_position(o.box, t.box, margin) for o in found for t in groups[target]
+                    )
                     if not good:
                         reasons.append(f"expected {cls} {relation} target {target}")
                 terms.append(1.0 if good else 0.0)
@@ -230,9 +244,16 @@ def _check(detected: Mapping[str, list[Detection]], meta: Mapping, *, exact: boo
     return ok, terms, reasons
 
 
-def evaluate(detections: Sequence[Detection], meta: Mapping, *, threshold: float = THRESHOLD,
-             counting_threshold: float = COUNTING_THRESHOLD, max_objects: int = MAX_OBJECTS,
-             nms_iou: float = NMS_IOU, position_margin: float = POSITION_MARGIN) -> Verdict:
+def evaluate(
+    detections: Sequence[Detection],
+    meta: Mapping,
+    *,
+    threshold: float = THRESHOLD,
+    counting_threshold: float = COUNTING_THRESHOLD,
+    max_objects: int = MAX_OBJECTS,
+    nms_iou: float = NMS_IOU,
+    position_margin: float = POSITION_MARGIN,
+) -> Verdict:
     """Score one image's detections against its GenEval metadata."""
     meta = check_geneval_metadata(meta)
     cut = counting_threshold if meta.get("tag") == "counting" else threshold
@@ -282,8 +303,12 @@ def parse_detection(item: Any) -> Detection:
         color = max(probs, key=probs.get)
     if color is not None and not isinstance(color, str):
         raise WireError(f"detection 'color' must be a string, got {color!r}")
-    return Detection(label.strip().lower(), _number(item.get("score"), "detection 'score'"), box,
-                     None if color is None else color.strip().lower())
+    return Detection(
+        label.strip().lower(),
+        _number(item.get("score"), "detection 'score'"),
+        box,
+        None if color is None else color.strip().lower(),
+    )
 
 
 def parse_detections(payload: Any, n: int) -> list[list[Detection]]:
@@ -316,28 +341,57 @@ def detection_to_json(det: Detection | Mapping) -> dict:
 class GenEvalScorer(Scorer):
     name = "geneval"
 
-    def __init__(self, url: str, *, metadata_key: str = "geneval", threshold: float = THRESHOLD,
-                 counting_threshold: float = COUNTING_THRESHOLD, max_objects: int = MAX_OBJECTS,
-                 nms_iou: float = NMS_IOU, position_margin: float = POSITION_MARGIN, on_failure: str = "nan",
-                 health_check: bool = True, timeout_s: float = 120.0, max_attempts: int = 4, backoff_s: float = 0.5,
-                 max_backoff_s: float = 10.0, deadline_s: float | None = None,
-                 retry_statuses: Sequence[int] = RETRY_STATUSES, batch_size: int = 16, key: str | None = None,
-                 seed: int | None = None, token: str | None = None):
+    def __init__(
+        self,
+        url: str,
+        *,
+        metadata_key: str = "geneval",
+        threshold: float = THRESHOLD,
+        counting_threshold: float = COUNTING_THRESHOLD,
+        max_objects: int = MAX_OBJECTS,
+        nms_iou: float = NMS_IOU,
+        position_margin: float = POSITION_MARGIN,
+        on_failure: str = "nan",
+        health_check: bool = True,
+        timeout_s: float = 120.0,
+        max_attempts: int = 4,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 10.0,
+        deadline_s: float | None = None,
+        retry_statuses: Sequence[int] = RETRY_STATUSES,
+        batch_size: int = 16,
+        key: str | None = None,
+        seed: int | None = None,
+        token: str | None = None,
+    ):
         super().__init__(batch_size=batch_size, key=key)
         if on_failure not in FAILURE_POLICIES:
             raise ValueError(f"on_failure must be one of {FAILURE_POLICIES}, got {on_failure!r}")
         if not 0 < nms_iou <= 1 or int(max_objects) < 1 or position_margin < 0:
             raise ValueError("need 0 < nms_iou <= 1, max_objects >= 1 and position_margin >= 0")
-        self.client = HttpClient(url, timeout_s=timeout_s, max_attempts=max_attempts, backoff_s=backoff_s,
-                                 max_backoff_s=max_backoff_s, deadline_s=deadline_s, retry_statuses=retry_statuses,
-                                 seed=seed, counters=self.counters, what="detector server",
-                                 token=resolve_token(token))
+        self.client = HttpClient(
+            url,
+            timeout_s=timeout_s,
+            max_attempts=max_attempts,
+            backoff_s=backoff_s,
+            max_backoff_s=max_backoff_s,
+            deadline_s=deadline_s,
+            retry_statuses=retry_statuses,
+            seed=seed,
+            counters=self.counters,
+            what="detector server",
+            token=resolve_token(token),
+        )
         self.url = self.client.url
         self.metadata_key = metadata_key
         self.metadata_keys = (metadata_key,)
-        self.rules = dict(threshold=float(threshold), counting_threshold=float(counting_threshold),
-                          max_objects=int(max_objects), nms_iou=float(nms_iou),
-                          position_margin=float(position_margin))
+        self.rules = dict(
+            threshold=float(threshold),
+            counting_threshold=float(counting_threshold),
+            max_objects=int(max_objects),
+            nms_iou=float(nms_iou),
+            position_margin=float(position_margin),
+        )
         self.on_failure, self.health_check = on_failure, health_check
         self.server_info: dict | None = None
         self.last_reasons: list[list[str] | None] = []
@@ -365,8 +419,11 @@ class GenEvalScorer(Scorer):
     def _detect(self, images, metas: list[dict]) -> list[list[Detection]] | None:
         classes = [sorted({r["class"] for r in m["include"] + m["exclude"]}) for m in metas]
         wants_color = any("color" in r for m in metas for r in m["include"])
-        request = {"images": [encode_png(im) for im in images.pil()], "classes": classes,
-                   "colors": list(COLORS) if wants_color else None}
+        request = {
+            "images": [encode_png(im) for im in images.pil()],
+            "classes": classes,
+            "colors": list(COLORS) if wants_color else None,
+        }
         try:
             return parse_detections(self.client.post_json("/detect", request), len(metas))
         except (RemoteRewardError, HTTPStatusError, WireError, ValueError) as e:  # json errors are ValueErrors
@@ -395,6 +452,7 @@ class GenEvalScorer(Scorer):
                 score[i], strict[i], correct[i] = verdict.score, float(verdict.strict), float(verdict.correct)
                 reasons[i] = verdict.reasons
         self.last_reasons.extend(reasons)
+
         def t(values):
             return torch.tensor(values, dtype=torch.float32)
 
@@ -402,21 +460,51 @@ class GenEvalScorer(Scorer):
 
 
 @register("geneval")
-def build_geneval(*, url: str, metadata_key: str = "geneval", threshold: float = THRESHOLD,
-                  counting_threshold: float = COUNTING_THRESHOLD, max_objects: int = MAX_OBJECTS,
-                  nms_iou: float = NMS_IOU, position_margin: float = POSITION_MARGIN, on_failure: str = "nan",
-                  health_check: bool = True, timeout_s: float = 120.0, max_attempts: int = 4, backoff_s: float = 0.5,
-                  max_backoff_s: float = 10.0, deadline_s: float | None = None,
-                  retry_statuses: Sequence[int] = RETRY_STATUSES, batch_size: int = 16, key: str | None = None,
-                  seed: int | None = None, token: str | None = None) -> GenEvalScorer:
+def build_geneval(
+    *,
+    url: str,
+    metadata_key: str = "geneval",
+    threshold: float = THRESHOLD,
+    counting_threshold: float = COUNTING_THRESHOLD,
+    max_objects: int = MAX_OBJECTS,
+    nms_iou: float = NMS_IOU,
+    position_margin: float = POSITION_MARGIN,
+    on_failure: str = "nan",
+    health_check: bool = True,
+    timeout_s: float = 120.0,
+    max_attempts: int = 4,
+    backoff_s: float = 0.5,
+    max_backoff_s: float = 10.0,
+    deadline_s: float | None = None,
+    retry_statuses: Sequence[int] = RETRY_STATUSES,
+    batch_size: int = 16,
+    key: str | None = None,
+    seed: int | None = None,
+    token: str | None = None,
+) -> GenEvalScorer:
     """GenEval rules (counts, colours, positions) over a remote detector: partial score, strict, correct.
     `token`: the detector server's bearer token, or `env:NAME`."""
-    return GenEvalScorer(url, metadata_key=metadata_key, threshold=threshold, counting_threshold=counting_threshold,
-                         max_objects=max_objects, nms_iou=nms_iou, position_margin=position_margin,
-                         on_failure=on_failure, health_check=health_check, timeout_s=timeout_s,
-                         max_attempts=max_attempts, backoff_s=backoff_s, max_backoff_s=max_backoff_s,
-                         deadline_s=deadline_s, retry_statuses=retry_statuses, batch_size=batch_size, key=key,
-                         seed=seed, token=token)
+    return GenEvalScorer(
+        url,
+        metadata_key=metadata_key,
+        threshold=threshold,
+        counting_threshold=counting_threshold,
+        max_objects=max_objects,
+        nms_iou=nms_iou,
+        position_margin=position_margin,
+        on_failure=on_failure,
+        health_check=health_check,
+        timeout_s=timeout_s,
+        max_attempts=max_attempts,
+        backoff_s=backoff_s,
+        max_backoff_s=max_backoff_s,
+        deadline_s=deadline_s,
+        retry_statuses=retry_statuses,
+        batch_size=batch_size,
+        key=key,
+        seed=seed,
+        token=token,
+    )
 
 
 # -- server --------------------------------------------------------------------------------------
@@ -428,8 +516,17 @@ class DetectorServer(LocalJSONServer):
     """Serves a Python detect function over the protocol above; detection is serialised by a lock
     (one model on one device). Binds 127.0.0.1 unless told otherwise."""
 
-    def __init__(self, detect: DetectFn, host: str = "127.0.0.1", port: int = 0, *, name: str = "detector",
-                 max_body_bytes: int = 512 * 2**20, limits: ServerLimits | None = None, token: str | None = None):
+    def __init__(
+        self,
+        detect: DetectFn,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        name: str = "detector",
+        max_body_bytes: int = 512 * 2**20,
+        limits: ServerLimits | None = None,
+        token: str | None = None,
+    ):
         self.detect, self.detector_name = detect, name
         super().__init__(_DetectorHandler, host, port, max_body_bytes, limits, token)
 

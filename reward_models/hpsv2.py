@@ -63,8 +63,9 @@ def import_open_clip():
     try:
         import open_clip
     except ImportError as err:
-        raise ImportError("hpsv2 needs open_clip: pip install 'open-clip-torch>=3' torchvision "
-                          "(CPU: with -c constraints-cpu.txt)") from err
+        raise ImportError(
+            "hpsv2 needs open_clip: pip install 'open-clip-torch>=3' torchvision (CPU: with -c constraints-cpu.txt)"
+        ) from err
     return open_clip
 
 
@@ -89,8 +90,14 @@ def open_clip_tokenizer(arch: str):
 def hps_reference_transform(image_size: int = HPS_IMAGE_SIZE):
     """open_clip's evaluation transform with the HPS settings (PIL in, normalised tensor out)."""
     return import_open_clip().image_transform(
-        image_size, is_train=False, mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD,
-        resize_mode=HPS_RESIZE_MODE, interpolation=HPS_INTERPOLATION, fill_color=HPS_FILL)
+        image_size,
+        is_train=False,
+        mean=OPENAI_CLIP_MEAN,
+        std=OPENAI_CLIP_STD,
+        resize_mode=HPS_RESIZE_MODE,
+        interpolation=HPS_INTERPOLATION,
+        fill_color=HPS_FILL,
+    )
 
 
 def longest_side_size(height: int, width: int, size: int) -> tuple[int, int]:
@@ -114,8 +121,9 @@ def hps_preprocess_tensor(x: torch.Tensor, size: int = HPS_IMAGE_SIZE) -> torch.
     return (x - mean) / std
 
 
-def resolve_hps_checkpoint(model: str, version: str, *, local_files_only: bool = False,
-                           revision: str | None = None) -> str:
+def resolve_hps_checkpoint(
+    model: str, version: str, *, local_files_only: bool = False, revision: str | None = None
+) -> str:
     """A local file, a local directory holding the version's file, or a hub repo id -> a file path."""
     if version not in HPS_FILES:
         raise ValueError(f"hpsv2 version must be one of {sorted(HPS_FILES)}, got {version!r}")
@@ -127,8 +135,10 @@ def resolve_hps_checkpoint(model: str, version: str, *, local_files_only: bool =
             raise FileNotFoundError(f"{model} has no {HPS_FILES[version]} (hpsv2 version {version})")
         return path
     if model.startswith((".", "/", "~")) or model.count("/") != 1 or model.endswith((".pt", ".safetensors")):
-        raise FileNotFoundError(f"hpsv2 checkpoint {model} does not exist (expected a file, a directory "
-                                f"holding {HPS_FILES[version]}, or a hub repo id)")
+        raise FileNotFoundError(
+            f"hpsv2 checkpoint {model} does not exist (expected a file, a directory "
+            f"holding {HPS_FILES[version]}, or a hub repo id)"
+        )
     from huggingface_hub import hf_hub_download
 
     return hf_hub_download(model, HPS_FILES[version], revision=revision, local_files_only=local_files_only)
@@ -153,8 +163,16 @@ class _DropRecords(logging.Filter):
 class OpenClipBackbone(ModelPlacement):
     """An open_clip CLIP + its tokenizer with HPS preprocessing, one device and one dtype."""
 
-    def __init__(self, model, tokenizer, *, image_size: int | None = None, device="auto", dtype="float32",
-                 preprocess: str = "tensor"):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        image_size: int | None = None,
+        device="auto",
+        dtype="float32",
+        preprocess: str = "tensor",
+    ):
         if preprocess not in PREPROCESS_MODES:
             raise ValueError(f"preprocess must be one of {PREPROCESS_MODES}, got {preprocess!r}")
         self.model = model.eval().requires_grad_(False)  # frozen: gradients go to pixels only
@@ -173,16 +191,17 @@ class OpenClipBackbone(ModelPlacement):
         try:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
-                model = open_clip.create_model(arch, pretrained=None, precision="fp32", device="cpu",
-                                               output_dict=True)
+                model = open_clip.create_model(arch, pretrained=None, precision="fp32", device="cpu", output_dict=True)
         finally:
             logging.getLogger().removeFilter(quiet)
         if state is not None:
             result = model.load_state_dict(state, strict=False)
             if result.missing_keys or result.unexpected_keys:
-                raise ValueError(f"checkpoint does not fit open_clip '{arch}': missing {result.missing_keys[:5]} "
-                                 f"({len(result.missing_keys)}), unexpected {result.unexpected_keys[:5]} "
-                                 f"({len(result.unexpected_keys)})")
+                raise ValueError(
+                    f"checkpoint does not fit open_clip '{arch}': missing {result.missing_keys[:5]} "
+                    f"({len(result.missing_keys)}), unexpected {result.unexpected_keys[:5]} "
+                    f"({len(result.unexpected_keys)})"
+                )
         return cls(model, open_clip_tokenizer(arch), **kwargs)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -198,8 +217,12 @@ class OpenClipBackbone(ModelPlacement):
         elif images.uniform:
             pixels = hps_preprocess_tensor(images.tensor().to(self.device, torch.float32), self.image_size)
         else:
-            pixels = torch.cat([hps_preprocess_tensor(t[None].to(self.device, torch.float32), self.image_size)
-                                for t in images.tensors()])
+            pixels = torch.cat(
+                [
+                    hps_preprocess_tensor(t[None].to(self.device, torch.float32), self.image_size)
+                    for t in images.tensors()
+                ]
+            )
         return pixels.to(device=self.device, dtype=self.dtype)
 
     def image_features(self, images: ImageBatch) -> torch.Tensor:
@@ -238,9 +261,20 @@ class HPSv2(Pretrained, Scorer):
 
 
 @register("hpsv2")
-def build_hpsv2(*, model: str = HPS_REPO, version: str = "v2.1", arch: str = HPS_ARCH, tiny: bool = False,
-                device: str = "auto", dtype: str = "float32", preprocess: str = "tensor", batch_size: int = 32,
-                local_files_only: bool = False, revision: str | None = None, key: str | None = None) -> HPSv2:
+def build_hpsv2(
+    *,
+    model: str = HPS_REPO,
+    version: str = "v2.1",
+    arch: str = HPS_ARCH,
+    tiny: bool = False,
+    device: str = "auto",
+    dtype: str = "float32",
+    preprocess: str = "tensor",
+    batch_size: int = 32,
+    local_files_only: bool = False,
+    revision: str | None = None,
+    key: str | None = None,
+) -> HPSv2:
     """HPSv2 (version v2.0) / HPSv2.1 (v2.1): cosine on an OpenCLIP ViT-H/14; model = hub id, dir or file."""
     if version not in HPS_FILES:  # checked before any download
         raise ValueError(f"hpsv2 version must be one of {sorted(HPS_FILES)}, got {version!r}")

@@ -68,18 +68,57 @@ BLIP_EXTRA_TOKENS = {"bos_token": "[DEC]", "additional_special_tokens": ["[ENC]"
 
 # BLIP ViT-L/16 @224 (create_vit('large')) and the MED BERT-base of med_config.json (encoder_width
 # is set to the ViT width by BLIP_Pretrain).
-VISION_CONFIG = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
-                     image_size=224, patch_size=16, layer_norm_eps=1e-6, hidden_act="gelu")
-TEXT_CONFIG = dict(vocab_size=30524, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
-                   num_attention_heads=12, max_position_embeddings=512, layer_norm_eps=1e-12, hidden_act="gelu",
-                   encoder_hidden_size=1024, pad_token_id=0, bos_token_id=30522, sep_token_id=102,
-                   hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+VISION_CONFIG = dict(
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_hidden_layers=24,
+    num_attention_heads=16,
+    image_size=224,
+    patch_size=16,
+    layer_norm_eps=1e-6,
+    hidden_act="gelu",
+)
+TEXT_CONFIG = dict(
+    vocab_size=30524,
+    hidden_size=768,
+    intermediate_size=3072,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    max_position_embeddings=512,
+    layer_norm_eps=1e-12,
+    hidden_act="gelu",
+    encoder_hidden_size=1024,
+    pad_token_id=0,
+    bos_token_id=30522,
+    sep_token_id=102,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+)
 HEAD_DIM = 64  # every published BLIP tower: ViT-B 768/12, ViT-L 1024/16, BERT-base 768/12
-TINY_VISION_CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1,
-                          image_size=32, patch_size=8, layer_norm_eps=1e-6, hidden_act="gelu", initializer_range=0.02)
-TINY_TEXT_CONFIG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        max_position_embeddings=64, layer_norm_eps=1e-12, hidden_act="gelu", encoder_hidden_size=32,
-                        pad_token_id=0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+TINY_VISION_CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=1,
+    image_size=32,
+    patch_size=8,
+    layer_norm_eps=1e-6,
+    hidden_act="gelu",
+    initializer_range=0.02,
+)
+TINY_TEXT_CONFIG = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+    layer_norm_eps=1e-12,
+    hidden_act="gelu",
+    encoder_hidden_size=32,
+    pad_token_id=0,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+)
 
 
 def _blip_configs(vision: dict, text: dict):
@@ -120,8 +159,13 @@ class ImageRewardModel(nn.Module):
         """[CLS] hidden state [B, 768] of the text encoder cross-attending to the image tokens."""
         image_embeds = self.vision(pixel_values=pixel_values).last_hidden_state  # post-LayerNorm, all tokens
         image_atts = torch.ones(image_embeds.shape[:-1], dtype=torch.long, device=image_embeds.device)
-        out = self.text(input_ids=input_ids, attention_mask=attention_mask, encoder_hidden_states=image_embeds,
-                        encoder_attention_mask=image_atts, is_decoder=False)
+        out = self.text(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            encoder_hidden_states=image_embeds,
+            encoder_attention_mask=image_atts,
+            is_decoder=False,
+        )
         return out.last_hidden_state[:, 0, :]
 
     def forward(self, pixel_values, input_ids, attention_mask) -> torch.Tensor:
@@ -131,18 +175,40 @@ class ImageRewardModel(nn.Module):
 
 # --- the official checkpoint -------------------------------------------------------------------
 
-_VIT_BLOCK = [("norm1.", "layer_norm1."), ("attn.qkv.", "self_attn.qkv."), ("attn.proj.", "self_attn.projection."),
-              ("norm2.", "layer_norm2."), ("mlp.fc1.", "mlp.fc1."), ("mlp.fc2.", "mlp.fc2.")]
-_VIT_TOP = {"cls_token": "embeddings.class_embedding", "pos_embed": "embeddings.position_embedding",
-            "patch_embed.proj.weight": "embeddings.patch_embedding.weight",
-            "patch_embed.proj.bias": "embeddings.patch_embedding.bias",
-            "norm.weight": "post_layernorm.weight", "norm.bias": "post_layernorm.bias"}
+_VIT_BLOCK = [
+    ("norm1.", "layer_norm1."),
+    ("attn.qkv.", "self_attn.qkv."),
+    ("attn.proj.", "self_attn.projection."),
+    ("norm2.", "layer_norm2."),
+    ("mlp.fc1.", "mlp.fc1."),
+    ("mlp.fc2.", "mlp.fc2."),
+]
+_VIT_TOP = {
+    "cls_token": "embeddings.class_embedding",
+    "pos_embed": "embeddings.position_embedding",
+    "patch_embed.proj.weight": "embeddings.patch_embedding.weight",
+    "patch_embed.proj.bias": "embeddings.patch_embedding.bias",
+    "norm.weight": "post_layernorm.weight",
+    "norm.bias": "post_layernorm.bias",
+}
 # Not used by the score: BLIP's contrastive projections, MED's position_ids buffer, and BLIP
 # pretraining parts a checkpoint might carry (momentum encoders, queues, ITM head, decoder).
-_DROPPED = ("blip.vision_proj.", "blip.text_proj.", "blip.text_encoder.embeddings.position_ids",
-            "blip.itm_head.", "blip.text_decoder.", "blip.visual_encoder_m.", "blip.text_encoder_m.",
-            "blip.vision_proj_m.", "blip.text_proj_m.", "blip.image_queue", "blip.text_queue", "blip.idx_queue",
-            "blip.queue_ptr", "blip.temp")
+_DROPPED = (
+    "blip.vision_proj.",
+    "blip.text_proj.",
+    "blip.text_encoder.embeddings.position_ids",
+    "blip.itm_head.",
+    "blip.text_decoder.",
+    "blip.visual_encoder_m.",
+    "blip.text_encoder_m.",
+    "blip.vision_proj_m.",
+    "blip.text_proj_m.",
+    "blip.image_queue",
+    "blip.text_queue",
+    "blip.idx_queue",
+    "blip.queue_ptr",
+    "blip.temp",
+)
 
 
 def map_official_key(key: str) -> str | None:
@@ -150,18 +216,18 @@ def map_official_key(key: str) -> str | None:
     if key.startswith(_DROPPED):
         return None
     if key.startswith("mlp.layers."):
-        return "head." + key[len("mlp."):]
+        return "head." + key[len("mlp.") :]
     if key.startswith("blip.text_encoder."):
-        return "text." + key[len("blip.text_encoder."):]
+        return "text." + key[len("blip.text_encoder.") :]
     if key.startswith("blip.visual_encoder."):
-        rest = key[len("blip.visual_encoder."):]
+        rest = key[len("blip.visual_encoder.") :]
         if rest in _VIT_TOP:
             return "vision." + _VIT_TOP[rest]
         match = re.fullmatch(r"blocks\.(\d+)\.(.+)", rest)
         if match:
             for old, new in _VIT_BLOCK:
                 if match.group(2).startswith(old):
-                    return f"vision.encoder.layers.{match.group(1)}.{new}{match.group(2)[len(old):]}"
+                    return f"vision.encoder.layers.{match.group(1)}.{new}{match.group(2)[len(old) :]}"
     raise KeyError(f"unexpected key in the ImageReward checkpoint: {key}")
 
 
@@ -187,18 +253,30 @@ def config_from_official(state: dict[str, torch.Tensor], med: dict | None = None
         words = state["blip.text_encoder.embeddings.word_embeddings.weight"]
         positions = state["blip.text_encoder.embeddings.position_embeddings.weight"]
         t = "blip.text_encoder.encoder.layer."
-        layers = 1 + max(int(k[len(t):].split(".")[0]) for k in state if k.startswith(t))
+        layers = 1 + max(int(k[len(t) :].split(".")[0]) for k in state if k.startswith(t))
         ffn = state[t + "0.intermediate.dense.weight"].shape[0]
     except (KeyError, ValueError) as err:
         raise ValueError(f"not an ImageReward (BLIP) state dict: {err!r}") from None
-    vision = dict(VISION_CONFIG, hidden_size=width, intermediate_size=state[v + "blocks.0.mlp.fc1.weight"].shape[0],
-                  num_hidden_layers=depth, num_attention_heads=max(1, width // HEAD_DIM), image_size=grid * patch,
-                  patch_size=patch)
+    vision = dict(
+        VISION_CONFIG,
+        hidden_size=width,
+        intermediate_size=state[v + "blocks.0.mlp.fc1.weight"].shape[0],
+        num_hidden_layers=depth,
+        num_attention_heads=max(1, width // HEAD_DIM),
+        image_size=grid * patch,
+        patch_size=patch,
+    )
     text = dict(TEXT_CONFIG, num_attention_heads=max(1, words.shape[1] // HEAD_DIM))
-    text.update({k: med[k] for k in ("num_attention_heads", "layer_norm_eps", "hidden_act", "pad_token_id")
-                 if k in (med or {})})
-    text.update(vocab_size=words.shape[0], hidden_size=words.shape[1], max_position_embeddings=positions.shape[0],
-                num_hidden_layers=layers, intermediate_size=ffn)
+    text.update(
+        {k: med[k] for k in ("num_attention_heads", "layer_norm_eps", "hidden_act", "pad_token_id") if k in (med or {})}
+    )
+    text.update(
+        vocab_size=words.shape[0],
+        hidden_size=words.shape[1],
+        max_position_embeddings=positions.shape[0],
+        num_hidden_layers=layers,
+        intermediate_size=ffn,
+    )
     return vision, text
 
 
@@ -208,13 +286,16 @@ def load_strict(model: ImageRewardModel, state: dict[str, torch.Tensor], source:
     unexpected = sorted(set(state) - set(expected))
     wrong = [k for k in expected if k in state and tuple(state[k].shape) != tuple(expected[k].shape)]
     if missing or unexpected or wrong:
-        raise ValueError(f"{source} does not fit the ImageReward model: missing {missing[:5]} ({len(missing)}), "
-                         f"unexpected {unexpected[:5]} ({len(unexpected)}), wrong shape {wrong[:5]}")
+        raise ValueError(
+            f"{source} does not fit the ImageReward model: missing {missing[:5]} ({len(missing)}), "
+            f"unexpected {unexpected[:5]} ({len(unexpected)}), wrong shape {wrong[:5]}"
+        )
     model.load_state_dict(state, strict=True)
     return model.eval()
 
 
 # --- tokenizer and preprocessing --------------------------------------------------------------
+
 
 def blip_tokenizer(source):
     """BLIP's tokenizer: a BertTokenizer (hub id, directory, or a tokenizer object) + [DEC], [ENC]."""
@@ -271,13 +352,14 @@ def imagereward_preprocess_tensor(x: torch.Tensor, size: int = IMAGEREWARD_IMAGE
     if (new_h, new_w) != (h, w):
         x = F.interpolate(x, size=(new_h, new_w), mode="bicubic", align_corners=False, antialias=True).clamp(0, 1)
     top, left = center_crop_offset(new_h, size), center_crop_offset(new_w, size)
-    x = x[..., top:top + size, left:left + size]
+    x = x[..., top : top + size, left : left + size]
     mean = torch.tensor(OPENAI_CLIP_MEAN, dtype=x.dtype, device=x.device)[:, None, None]
     std = torch.tensor(OPENAI_CLIP_STD, dtype=x.dtype, device=x.device)[:, None, None]
     return (x - mean) / std
 
 
 # --- the scorer ---------------------------------------------------------------------------------
+
 
 class ImageReward(ModelPlacement, Pretrained, Scorer):
     """ImageReward v1.0: (MLP(BLIP [CLS]) - mean) / std."""
@@ -286,9 +368,18 @@ class ImageReward(ModelPlacement, Pretrained, Scorer):
     requires_prompts = True
     differentiable = True
 
-    def __init__(self, model: ImageRewardModel, tokenizer, *, device="auto", dtype="float32",
-                 preprocess: str = "tensor", max_length: int = IMAGEREWARD_MAX_LENGTH, batch_size: int = 32,
-                 key: str | None = None):
+    def __init__(
+        self,
+        model: ImageRewardModel,
+        tokenizer,
+        *,
+        device="auto",
+        dtype="float32",
+        preprocess: str = "tensor",
+        max_length: int = IMAGEREWARD_MAX_LENGTH,
+        batch_size: int = 32,
+        key: str | None = None,
+    ):
         if preprocess not in PREPROCESS_MODES:
             raise ValueError(f"preprocess must be one of {PREPROCESS_MODES}, got {preprocess!r}")
         super().__init__(batch_size=batch_size, key=key)
@@ -310,8 +401,10 @@ class ImageReward(ModelPlacement, Pretrained, Scorer):
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         (path / "config.json").write_text(json.dumps(self.model.config_dict(), indent=2))
-        save_file({k: v.detach().float().cpu().contiguous() for k, v in self.model.state_dict().items()},
-                  str(path / "model.safetensors"))
+        save_file(
+            {k: v.detach().float().cpu().contiguous() for k, v in self.model.state_dict().items()},
+            str(path / "model.safetensors"),
+        )
         self.tokenizer.save_pretrained(path)
 
     def pixel_values(self, images: ImageBatch) -> torch.Tensor:
@@ -322,13 +415,18 @@ class ImageReward(ModelPlacement, Pretrained, Scorer):
         elif images.uniform:
             pixels = imagereward_preprocess_tensor(images.tensor().to(self.device, torch.float32), self.image_size)
         else:
-            pixels = torch.cat([imagereward_preprocess_tensor(t[None].to(self.device, torch.float32), self.image_size)
-                                for t in images.tensors()])
+            pixels = torch.cat(
+                [
+                    imagereward_preprocess_tensor(t[None].to(self.device, torch.float32), self.image_size)
+                    for t in images.tensors()
+                ]
+            )
         return pixels.to(device=self.device, dtype=self.dtype)
 
     def tokens(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        out = self.tokenizer(prompts, padding="max_length", truncation=True, max_length=self.max_length,
-                             return_tensors="pt")
+        out = self.tokenizer(
+            prompts, padding="max_length", truncation=True, max_length=self.max_length, return_tensors="pt"
+        )
         return {"input_ids": out["input_ids"].to(self.device), "attention_mask": out["attention_mask"].to(self.device)}
 
     def score_batch(self, images, prompts, metadata):
@@ -346,8 +444,10 @@ def _official_checkpoint(model: str, *, local_files_only: bool, revision: str | 
     if os.path.isdir(model):
         pt, med = os.path.join(model, IMAGEREWARD_FILE), os.path.join(model, MED_CONFIG_FILE)
         if not os.path.isfile(pt):
-            raise FileNotFoundError(f"{model} holds neither config.json + model.safetensors (a converted ImageReward) "
-                                    f"nor {IMAGEREWARD_FILE}")
+            raise FileNotFoundError(
+                f"{model} holds neither config.json + model.safetensors (a converted ImageReward) "
+                f"nor {IMAGEREWARD_FILE}"
+            )
         return pt, med if os.path.isfile(med) else None
     if model.startswith((".", "/", "~")) or model.count("/") != 1 or model.endswith(".pt"):
         raise FileNotFoundError(f"ImageReward checkpoint {model} does not exist")
@@ -363,8 +463,9 @@ def _official_checkpoint(model: str, *, local_files_only: bool, revision: str | 
     return pt, med
 
 
-def load_imagereward(model: str, *, tokenizer: str | None = None, local_files_only: bool = False,
-                     revision: str | None = None) -> tuple[ImageRewardModel, object]:
+def load_imagereward(
+    model: str, *, tokenizer: str | None = None, local_files_only: bool = False, revision: str | None = None
+) -> tuple[ImageRewardModel, object]:
     """A converted directory (config.json + model.safetensors + tokenizer files), or the official
     ImageReward.pt (file, directory or hub repo) + a bert-base-uncased tokenizer."""
     if os.path.isdir(model) and os.path.isfile(os.path.join(model, "model.safetensors")):
@@ -386,30 +487,54 @@ def load_imagereward(model: str, *, tokenizer: str | None = None, local_files_on
     return net, blip_tokenizer(tok)
 
 
-def convert_imagereward_checkpoint(src: str | Path, dst: str | Path, *, tokenizer: str = BERT_TOKENIZER,
-                                   local_files_only: bool = False) -> None:
+def convert_imagereward_checkpoint(
+    src: str | Path, dst: str | Path, *, tokenizer: str = BERT_TOKENIZER, local_files_only: bool = False
+) -> None:
     """One-off: the official ImageReward.pt (+ tokenizer) -> a directory of safetensors + JSON."""
     net, tok = load_imagereward(str(src), tokenizer=tokenizer, local_files_only=local_files_only)
     ImageReward(net, tok, device="cpu").save_pretrained(dst)
 
 
 @register("imagereward")
-def build_imagereward(*, model: str = IMAGEREWARD_REPO, tokenizer: str | None = None, tiny: bool = False,
-                      device: str = "auto", dtype: str = "float32", preprocess: str = "tensor",
-                      max_length: int = IMAGEREWARD_MAX_LENGTH, batch_size: int = 32, local_files_only: bool = False,
-                      revision: str | None = None, key: str | None = None) -> ImageReward:
+def build_imagereward(
+    *,
+    model: str = IMAGEREWARD_REPO,
+    tokenizer: str | None = None,
+    tiny: bool = False,
+    device: str = "auto",
+    dtype: str = "float32",
+    preprocess: str = "tensor",
+    max_length: int = IMAGEREWARD_MAX_LENGTH,
+    batch_size: int = 32,
+    local_files_only: bool = False,
+    revision: str | None = None,
+    key: str | None = None,
+) -> ImageReward:
     """ImageReward v1.0 (BLIP ViT-L + MED + MLP, z-scored); model = hub id, ImageReward.pt, or a converted dir."""
     if tiny:
         tok = tiny_bert_tokenizer()
-        text = dict(TINY_TEXT_CONFIG, vocab_size=len(tok), bos_token_id=tok.bos_token_id, sep_token_id=tok.sep_token_id,
-                    eos_token_id=tok.sep_token_id)
+        text = dict(
+            TINY_TEXT_CONFIG,
+            vocab_size=len(tok),
+            bos_token_id=tok.bos_token_id,
+            sep_token_id=tok.sep_token_id,
+            eos_token_id=tok.sep_token_id,
+        )
         net = ImageRewardModel.from_dicts(TINY_VISION_CONFIG, text)
         with torch.random.fork_rng(devices=[]):  # unit-gain head, so tiny scores spread visibly
             torch.manual_seed(0)
             for layer in net.head.layers:
                 if isinstance(layer, nn.Linear):
-                    nn.init.normal_(layer.weight, std=layer.in_features ** -0.5)
+                    nn.init.normal_(layer.weight, std=layer.in_features**-0.5)
     else:
         net, tok = load_imagereward(model, tokenizer=tokenizer, local_files_only=local_files_only, revision=revision)
-    return ImageReward(net, tok, device=device, dtype=dtype, preprocess=preprocess, max_length=max_length,
-                       batch_size=batch_size, key=key)
+    return ImageReward(
+        net,
+        tok,
+        device=device,
+        dtype=dtype,
+        preprocess=preprocess,
+        max_length=max_length,
+        batch_size=batch_size,
+        key=key,
+    )

@@ -28,8 +28,7 @@ class ImageBatch:
             self._pil = [im if im.mode == "RGB" else im.convert("RGB") for im in images]
         else:
             raise TypeError(
-                "images must be a float tensor [B,3,H,W] in [0,1] or a list of PIL images, "
-                f"got {type(images).__name__}"
+                f"images must be a float tensor [B,3,H,W] in [0,1] or a list of PIL images, got {type(images).__name__}"
             )
 
     @classmethod

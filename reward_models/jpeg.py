@@ -27,7 +27,9 @@ def jpeg_kb(image: Image.Image, quality: int = JPEG_QUALITY) -> float:
 class JpegScorer(Scorer):
     """sign * JPEG size in kB at the given quality."""
 
-    def __init__(self, name: str, sign: float, *, quality: int = JPEG_QUALITY, batch_size: int = 64, key: str | None = None):
+    def __init__(
+        self, name: str, sign: float, *, quality: int = JPEG_QUALITY, batch_size: int = 64, key: str | None = None
+    ):
         if not 1 <= int(quality) <= 100:
             raise ValueError(f"JPEG quality must be in 1..100, got {quality}")
         self.name, self.sign, self.quality = name, float(sign), int(quality)
@@ -40,12 +42,16 @@ class JpegScorer(Scorer):
 
 
 @register("jpeg_compressibility")
-def build_jpeg_compressibility(*, quality: int = JPEG_QUALITY, batch_size: int = 64, key: str | None = None) -> JpegScorer:
+def build_jpeg_compressibility(
+    *, quality: int = JPEG_QUALITY, batch_size: int = 64, key: str | None = None
+) -> JpegScorer:
     """Minus the JPEG size in kB at quality 95 (DDPO)."""
     return JpegScorer("jpeg_compressibility", -1.0, quality=quality, batch_size=batch_size, key=key)
 
 
 @register("jpeg_incompressibility")
-def build_jpeg_incompressibility(*, quality: int = JPEG_QUALITY, batch_size: int = 64, key: str | None = None) -> JpegScorer:
+def build_jpeg_incompressibility(
+    *, quality: int = JPEG_QUALITY, batch_size: int = 64, key: str | None = None
+) -> JpegScorer:
     """Plus the JPEG size in kB at quality 95 (DDPO)."""
     return JpegScorer("jpeg_incompressibility", 1.0, quality=quality, batch_size=batch_size, key=key)

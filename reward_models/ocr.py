@@ -39,8 +39,10 @@ from PIL import Image
 from .base import Scorer
 from .registry import register
 
-INSTALL_HINT = ("install it with `apt-get install tesseract-ocr` (Debian/Ubuntu; `brew install tesseract` on "
-                "macOS) or set tesseract_cmd to the binary's path")
+INSTALL_HINT = (
+    "install it with `apt-get install tesseract-ocr` (Debian/Ubuntu; `brew install tesseract` on "
+    "macOS) or set tesseract_cmd to the binary's path"
+)
 _QUOTED = re.compile(r'"([^"]*)"|“([^”]*)”')
 _SPACE = re.compile(r"\s+")
 
@@ -64,13 +66,14 @@ class TesseractEngine:
 
     name = "tesseract"
 
-    def __init__(self, *, cmd: str | None = None, lang: str = "eng", config: str = "--psm 11",
-                 timeout_s: float = 30.0):
+    def __init__(self, *, cmd: str | None = None, lang: str = "eng", config: str = "--psm 11", timeout_s: float = 30.0):
         try:
             import pytesseract
         except ImportError:
-            raise OCREngineError("the OCR engine 'tesseract' needs the Python package pytesseract "
-                                 "(pip install pytesseract) and the tesseract binary: " + INSTALL_HINT) from None
+            raise OCREngineError(
+                "the OCR engine 'tesseract' needs the Python package pytesseract "
+                "(pip install pytesseract) and the tesseract binary: " + INSTALL_HINT
+            ) from None
         binary = cmd or pytesseract.pytesseract.tesseract_cmd
         if shutil.which(binary) is None:
             raise OCREngineError(f"tesseract binary {binary!r} not found; " + INSTALL_HINT)
@@ -83,15 +86,18 @@ class TesseractEngine:
             raise OCREngineError(f"tesseract binary {binary!r} does not run ({e}); " + INSTALL_HINT) from None
         missing = [part for part in lang.split("+") if part not in languages]
         if missing:
-            raise OCREngineError(f"tesseract has no language data for {missing} (installed: {sorted(languages)}); "
-                                 f"install it with `apt-get install "
-                                 f"{' '.join('tesseract-ocr-' + m for m in missing)}`")
+            raise OCREngineError(
+                f"tesseract has no language data for {missing} (installed: {sorted(languages)}); "
+                f"install it with `apt-get install "
+                f"{' '.join('tesseract-ocr-' + m for m in missing)}`"
+            )
         self._pytesseract = pytesseract
         self.lang, self.config, self.timeout_s = lang, config, float(timeout_s)
 
     def read(self, image: Image.Image) -> list[tuple[str, float]]:
-        out = self._pytesseract.image_to_data(image, lang=self.lang, config=self.config, timeout=self.timeout_s,
-                                              output_type=self._pytesseract.Output.DICT)
+        out = self._pytesseract.image_to_data(
+            image, lang=self.lang, config=self.config, timeout=self.timeout_s, output_type=self._pytesseract.Output.DICT
+        )
         words = []
         for text, conf in zip(out["text"], out["conf"]):
             text, conf = str(text).strip(), float(conf)
@@ -130,8 +136,15 @@ class OCRScorer(Scorer):
     name = "ocr"
     requires_prompts = True
 
-    def __init__(self, engine: OCREngine, *, min_confidence: float = 0.0, workers: int = 4,
-                 batch_size: int = 32, key: str | None = None):
+    def __init__(
+        self,
+        engine: OCREngine,
+        *,
+        min_confidence: float = 0.0,
+        workers: int = 4,
+        batch_size: int = 32,
+        key: str | None = None,
+    ):
         super().__init__(batch_size=batch_size, key=key)
         if not callable(getattr(engine, "read", None)):
             raise TypeError(f"an OCR engine needs a read(image) method, got {type(engine).__name__}")
@@ -191,9 +204,18 @@ class OCRScorer(Scorer):
 
 
 @register("ocr")
-def build_ocr(*, engine: "str | OCREngine" = "tesseract", tesseract_cmd: str | None = None, lang: str = "eng",
-              tesseract_config: str = "--psm 11", timeout_s: float = 30.0, min_confidence: float = 0.0,
-              workers: int = 4, batch_size: int = 32, key: str | None = None) -> OCRScorer:
+def build_ocr(
+    *,
+    engine: "str | OCREngine" = "tesseract",
+    tesseract_cmd: str | None = None,
+    lang: str = "eng",
+    tesseract_config: str = "--psm 11",
+    timeout_s: float = 30.0,
+    min_confidence: float = 0.0,
+    workers: int = 4,
+    batch_size: int = 32,
+    key: str | None = None,
+) -> OCRScorer:
     """Flow-GRPO OCR reward: 1 - min(1, edit distance / len(target)), target quoted in the prompt."""
     if isinstance(engine, str):
         if engine not in OCR_ENGINES:

@@ -44,8 +44,9 @@ class PointwiseAsPairwise(PairwiseScorer):
 
 
 @register("pointwise_as_pairwise", kind="pairwise")
-def build_pointwise_as_pairwise(*, scorer: "str | Mapping[str, Any] | ScorerConfig", temperature: float = 1.0,
-                                batch_size: int = 64) -> PointwiseAsPairwise:
+def build_pointwise_as_pairwise(
+    *, scorer: "str | Mapping[str, Any] | ScorerConfig", temperature: float = 1.0, batch_size: int = 64
+) -> PointwiseAsPairwise:
     """sigmoid((s_a - s_b) / temperature) over any pointwise scorer."""
     inner = build_scorer(scorer)
     if not isinstance(inner, Scorer):
@@ -53,8 +54,12 @@ def build_pointwise_as_pairwise(*, scorer: "str | Mapping[str, Any] | ScorerConf
     return PointwiseAsPairwise(inner, temperature=temperature, batch_size=batch_size)
 
 
-def preference_matrices(judge: PairwiseScorer, groups: Sequence, prompts: Sequence[str | None] | None = None,
-                        metadata: Sequence[Mapping[str, Any] | None] | None = None) -> list[torch.Tensor]:
+def preference_matrices(
+    judge: PairwiseScorer,
+    groups: Sequence,
+    prompts: Sequence[str | None] | None = None,
+    metadata: Sequence[Mapping[str, Any] | None] | None = None,
+) -> list[torch.Tensor]:
     """One [G_k, G_k] float32 matrix per group: P[i, j] = P(image i beats image j), diagonal NaN.
     All unordered pairs of all groups go to the judge in one call (a remote judge sends them
     concurrently). `metadata[k]` holds one value per key for group k."""
@@ -99,8 +104,9 @@ def _pil(image):
     return image if not isinstance(image, torch.Tensor) else ImageBatch(image[None]).pil()[0]
 
 
-def preference_matrix(judge: PairwiseScorer, images, prompt: str | None = None,
-                      metadata: Mapping[str, Any] | None = None) -> torch.Tensor:
+def preference_matrix(
+    judge: PairwiseScorer, images, prompt: str | None = None, metadata: Mapping[str, Any] | None = None
+) -> torch.Tensor:
     """[G, G] float32 for one group; see preference_matrices."""
     return preference_matrices(judge, [images], [prompt], [metadata])[0]
 
@@ -116,15 +122,20 @@ def win_rates(preferences: torch.Tensor) -> torch.Tensor:
     return torch.where(off, pref, torch.zeros_like(pref)).sum(-1) / (g - 1)
 
 
-def group_win_rates(judge: PairwiseScorer, images, prompt: str | None = None,
-                    metadata: Mapping[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def group_win_rates(
+    judge: PairwiseScorer, images, prompt: str | None = None, metadata: Mapping[str, Any] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Judge every unordered pair of one group: (win rates [G], preference matrix [G, G])."""
     pref = preference_matrix(judge, images, prompt, metadata)
     return win_rates(pref), pref
 
 
-def groups_win_rates(judge: PairwiseScorer, groups: Sequence, prompts: Sequence[str | None] | None = None,
-                     metadata: Sequence[Mapping[str, Any] | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def groups_win_rates(
+    judge: PairwiseScorer,
+    groups: Sequence,
+    prompts: Sequence[str | None] | None = None,
+    metadata: Sequence[Mapping[str, Any] | None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """P groups of equal size G in one judge call: (win rates [P, G], preferences [P, G, G]), the
     preferences in the layout of flowgrpo.core's GroupBatch.preferences."""
     prefs = preference_matrices(judge, groups, prompts, metadata)

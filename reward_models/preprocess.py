@@ -41,8 +41,9 @@ class PreprocessSpec:
             raise ValueError("give exactly one of shortest_edge and size")
 
 
-CLIP_SPEC = PreprocessSpec(OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, shortest_edge=CLIP_IMAGE_SIZE,
-                           crop=(CLIP_IMAGE_SIZE, CLIP_IMAGE_SIZE))
+CLIP_SPEC = PreprocessSpec(
+    OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, shortest_edge=CLIP_IMAGE_SIZE, crop=(CLIP_IMAGE_SIZE, CLIP_IMAGE_SIZE)
+)
 DINOV2_SPEC = PreprocessSpec(IMAGENET_MEAN, IMAGENET_STD, size=(DINOV2_IMAGE_SIZE, DINOV2_IMAGE_SIZE))
 
 
@@ -50,15 +51,16 @@ def spec_from_processor(processor) -> PreprocessSpec:
     """Read a transformers CLIP-style image processor's settings (so a checkpoint's own
     preprocessor_config.json is honoured)."""
     size, crop = processor.size, processor.crop_size if getattr(processor, "do_center_crop", True) else None
-    get = (lambda d, k: d.get(k) if isinstance(d, dict) else getattr(d, k, None))
+    get = lambda d, k: d.get(k) if isinstance(d, dict) else getattr(d, k, None)
     shortest = get(size, "shortest_edge")
     hw = None if shortest else (get(size, "height"), get(size, "width"))
     crop_hw = (get(crop, "height"), get(crop, "width")) if crop is not None else None
     resample = int(getattr(processor, "resample", 3))
     if resample != 3:  # only bicubic is implemented on tensors
         raise ValueError(f"processor resample {resample} is not bicubic (3); use preprocess='pil'")
-    return PreprocessSpec(tuple(processor.image_mean), tuple(processor.image_std),
-                          shortest_edge=shortest, size=hw, crop=crop_hw)
+    return PreprocessSpec(
+        tuple(processor.image_mean), tuple(processor.image_std), shortest_edge=shortest, size=hw, crop=crop_hw
+    )
 
 
 def resized_size(height: int, width: int, spec: PreprocessSpec) -> tuple[int, int]:
@@ -78,7 +80,7 @@ def center_crop(x: torch.Tensor, crop: tuple[int, int]) -> torch.Tensor:
     if ch > h or cw > w:
         raise ValueError(f"crop {crop} larger than the resized image {(h, w)}")
     top, left = (h - ch) // 2, (w - cw) // 2
-    return x[..., top:top + ch, left:left + cw]
+    return x[..., top : top + ch, left : left + cw]
 
 
 def preprocess_tensor(x: torch.Tensor, spec: PreprocessSpec) -> torch.Tensor:

@@ -47,9 +47,19 @@ class PromptEcho(ModelPlacement, Pretrained, Scorer):
     name = "prompt_echo"
     requires_prompts = True
 
-    def __init__(self, model, processor, *, query: str = DEFAULT_QUERY, reduction: str = "mean",
-                 max_prompt_tokens: int | None = None, device="auto", dtype="bfloat16", batch_size: int = 8,
-                 key: str | None = None):
+    def __init__(
+        self,
+        model,
+        processor,
+        *,
+        query: str = DEFAULT_QUERY,
+        reduction: str = "mean",
+        max_prompt_tokens: int | None = None,
+        device="auto",
+        dtype="bfloat16",
+        batch_size: int = 8,
+        key: str | None = None,
+    ):
         if reduction not in REDUCTIONS:
             raise ValueError(f"prompt_echo reduction must be one of {REDUCTIONS}, got {reduction!r}")
         if max_prompt_tokens is not None and int(max_prompt_tokens) < 1:
@@ -80,13 +90,17 @@ class PromptEcho(ModelPlacement, Pretrained, Scorer):
     def inputs(self, images, prompts: list[str]) -> tuple[dict, torch.Tensor, torch.Tensor]:
         """Model inputs with each row = [chat prefix with the image][prompt tokens][right padding],
         plus the prefix lengths and answer lengths per row."""
-        enc = self.processor(text=[self.prefix] * len(prompts), images=[[im] for im in images.pil()],
-                             return_tensors="pt", padding=True)
+        enc = self.processor(
+            text=[self.prefix] * len(prompts), images=[[im] for im in images.pil()], return_tensors="pt", padding=True
+        )
         ids, mask = enc["input_ids"], enc["attention_mask"].bool()
         # Per-token tensors (input_ids, attention_mask, token type ids, ...) are rebuilt row by row;
         # image tensors (pixel_values, grid sizes, ...) pass through unchanged.
-        per_token = [k for k, v in enc.items() if torch.is_tensor(v) and not v.is_floating_point()
-                     and tuple(v.shape) == tuple(ids.shape)]
+        per_token = [
+            k
+            for k, v in enc.items()
+            if torch.is_tensor(v) and not v.is_floating_point() and tuple(v.shape) == tuple(ids.shape)
+        ]
         answers = self.answer_ids(prompts)
         prefix_len = mask.sum(1)
         answer_len = torch.tensor([len(a) for a in answers])
@@ -97,12 +111,20 @@ class PromptEcho(ModelPlacement, Pretrained, Scorer):
             p, a = int(prefix_len[i]), len(answer)
             for k in per_token:
                 rows[k][i, :p] = enc[k][i][mask[i]]  # the prefix without the processor's padding
-            rows["input_ids"][i, p:p + a] = torch.tensor(answer, dtype=rows["input_ids"].dtype)
-            rows["attention_mask"][i, p:p + a] = 1  # other per-token ids stay 0 (text)
+            rows["input_ids"][i, p : p + a] = torch.tensor(answer, dtype=rows["input_ids"].dtype)
+            rows["attention_mask"][i, p : p + a] = 1  # other per-token ids stay 0 (text)
         model_inputs = {k: v for k, v in enc.items() if k not in per_token}
         model_inputs.update(rows)
-        model_inputs = {k: (v.to(self.device, self.dtype) if torch.is_tensor(v) and v.is_floating_point()
-                            else v.to(self.device) if torch.is_tensor(v) else v) for k, v in model_inputs.items()}
+        model_inputs = {
+            k: (
+                v.to(self.device, self.dtype)
+                if torch.is_tensor(v) and v.is_floating_point()
+                else v.to(self.device)
+                if torch.is_tensor(v)
+                else v
+            )
+            for k, v in model_inputs.items()
+        }
         return model_inputs, prefix_len, answer_len
 
     @torch.no_grad()
@@ -154,14 +176,27 @@ def tiny_vlm_processor():
     from .encoders import clip_image_processor_class
     from .tiny import byte_symbols
 
-    tokenizer = Qwen2Tokenizer(vocab={s: i for i, s in enumerate(byte_symbols())}, merges=[], unk_token=None,
-                               bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer = Qwen2Tokenizer(
+        vocab={s: i for i, s in enumerate(byte_symbols())},
+        merges=[],
+        unk_token=None,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
     tokenizer.add_special_tokens({"additional_special_tokens": list(TINY_SPECIALS)})
-    image_processor = clip_image_processor_class()(size={"shortest_edge": TINY_IMAGE_SIZE},
-                                                   crop_size={"height": TINY_IMAGE_SIZE, "width": TINY_IMAGE_SIZE})
-    return LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=8,
-                          vision_feature_select_strategy="default", num_additional_image_tokens=1,
-                          image_token="<image>", chat_template=TINY_CHAT_TEMPLATE)
+    image_processor = clip_image_processor_class()(
+        size={"shortest_edge": TINY_IMAGE_SIZE}, crop_size={"height": TINY_IMAGE_SIZE, "width": TINY_IMAGE_SIZE}
+    )
+    return LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=8,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        image_token="<image>",
+        chat_template=TINY_CHAT_TEMPLATE,
+    )
 
 
 def tiny_vlm_model(processor, seed: int = 0):
@@ -173,9 +208,19 @@ def tiny_vlm_model(processor, seed: int = 0):
     common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
     config = LlavaConfig(
         vision_config=dict(common, model_type="clip_vision_model", image_size=TINY_IMAGE_SIZE, patch_size=8),
-        text_config=dict(common, model_type="qwen2", vocab_size=len(tok), num_key_value_heads=2,
-                         max_position_embeddings=512, bos_token_id=None, eos_token_id=eos, pad_token_id=pad),
-        image_token_id=image, vision_feature_select_strategy="default", vision_feature_layer=-1,
+        text_config=dict(
+            common,
+            model_type="qwen2",
+            vocab_size=len(tok),
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            bos_token_id=None,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        ),
+        image_token_id=image,
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
         projector_hidden_act="gelu",
     )
     with torch.random.fork_rng(devices=[]):
@@ -184,11 +229,23 @@ def tiny_vlm_model(processor, seed: int = 0):
 
 
 @register("prompt_echo")
-def build_prompt_echo(*, model: str = DEFAULT_VLM, processor: str | None = None, query: str = DEFAULT_QUERY,
-                      reduction: str = "mean", max_prompt_tokens: int | None = None, tiny: bool = False,
-                      device: str = "auto", dtype: str = "bfloat16", image_backend: str | None = "pil",
-                      attn_implementation: str | None = None, batch_size: int = 8, local_files_only: bool = False,
-                      revision: str | None = None, key: str | None = None) -> PromptEcho:
+def build_prompt_echo(
+    *,
+    model: str = DEFAULT_VLM,
+    processor: str | None = None,
+    query: str = DEFAULT_QUERY,
+    reduction: str = "mean",
+    max_prompt_tokens: int | None = None,
+    tiny: bool = False,
+    device: str = "auto",
+    dtype: str = "bfloat16",
+    image_backend: str | None = "pil",
+    attn_implementation: str | None = None,
+    batch_size: int = 8,
+    local_files_only: bool = False,
+    revision: str | None = None,
+    key: str | None = None,
+) -> PromptEcho:
     """PromptEcho: mean log-prob of the prompt as a frozen VLM's answer to a describe-the-image query."""
     if reduction not in REDUCTIONS:  # checked before any download
         raise ValueError(f"prompt_echo reduction must be one of {REDUCTIONS}, got {reduction!r}")
@@ -203,5 +260,14 @@ def build_prompt_echo(*, model: str = DEFAULT_VLM, processor: str | None = None,
         net = AutoModelForImageTextToText.from_pretrained(model, dtype=resolve_dtype(dtype), **opts, **extra)
         backend = {"backend": image_backend} if image_backend else {}
         proc = AutoProcessor.from_pretrained(processor or model, **opts, **backend)
-    return PromptEcho(net, proc, query=query, reduction=reduction, max_prompt_tokens=max_prompt_tokens,
-                      device=device, dtype=dtype, batch_size=batch_size, key=key)
+    return PromptEcho(
+        net,
+        proc,
+        query=query,
+        reduction=reduction,
+        max_prompt_tokens=max_prompt_tokens,
+        device=device,
+        dtype=dtype,
+        batch_size=batch_size,
+        key=key,
+    )

@@ -140,8 +140,7 @@ def build_scorer(config: "str | Mapping[str, Any] | ScorerConfig", **overrides: 
     for key in settings:
         if key not in valid:
             raise ValueError(
-                f"scorer '{cfg.name}' has no setting '{key}'{_suggest(key, valid)}; "
-                f"valid settings: {sorted(valid)}"
+                f"scorer '{cfg.name}' has no setting '{key}'{_suggest(key, valid)}; valid settings: {sorted(valid)}"
             )
     missing = [k for k, v in valid.items() if v is inspect.Parameter.empty and k not in settings]
     if missing:

@@ -56,7 +56,6 @@ class HTTPStatusError(Exception):
         self.status, self.detail = status, detail
 
 
-
 class _AttemptClock:
     """Shuts an attempt's sockets when its time is up. A per-read socket timeout never fires on a server
     that trickles one byte a second; this bounds the attempt as a whole."""
@@ -134,11 +133,22 @@ class HttpClient:
     Standard library only (urllib).
     """
 
-    def __init__(self, url: str, *, timeout_s: float = 120.0, max_attempts: int = 4, backoff_s: float = 0.5,
-                 max_backoff_s: float = 10.0, deadline_s: float | None = None,
-                 retry_statuses: Sequence[int] = RETRY_STATUSES, seed: int | None = None,
-                 headers: dict[str, str] | None = None, counters: Counter | None = None,
-                 what: str = "reward server", token: str | None = None):
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float = 120.0,
+        max_attempts: int = 4,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 10.0,
+        deadline_s: float | None = None,
+        retry_statuses: Sequence[int] = RETRY_STATUSES,
+        seed: int | None = None,
+        headers: dict[str, str] | None = None,
+        counters: Counter | None = None,
+        what: str = "reward server",
+        token: str | None = None,
+    ):
         parsed = urllib.parse.urlparse(url)
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
             raise ValueError(f"{what} url must be http(s)://host[:port], got {url!r}")
@@ -168,8 +178,7 @@ class HttpClient:
         failed together do not retry together."""
         return min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1)) * self._rng.uniform(0.5, 1.0)
 
-    def send(self, method: str, path: str, body: bytes | None = None, *,
-             stop: threading.Event | None = None) -> bytes:
+    def send(self, method: str, path: str, body: bytes | None = None, *, stop: threading.Event | None = None) -> bytes:
         url = self.url + path
         start = time.monotonic()
         deadline = start + self.deadline_s if self.deadline_s is not None else float("inf")
@@ -203,8 +212,11 @@ class HttpClient:
                 last = f"HTTP {e.code}: {detail}"
             except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
                 reason = getattr(e, "reason", e)
-                last = (f"timed out: no complete answer within {timeout:.3g}s" if clock.expired
-                        else f"{type(reason).__name__}: {reason}")
+                last = (
+                    f"timed out: no complete answer within {timeout:.3g}s"
+                    if clock.expired
+                    else f"{type(reason).__name__}: {reason}"
+                )
             finally:
                 clock.cancel()
             if attempts < self.max_attempts:
@@ -219,7 +231,8 @@ class HttpClient:
         self.count("unreachable")
         raise RemoteRewardError(
             f"{self.what} {url} failed: {attempts} attempt(s) in {time.monotonic() - start:.1f}s "
-            f"(timeout {self.timeout_s:g}s each); last error: {last}")
+            f"(timeout {self.timeout_s:g}s each); last error: {last}"
+        )
 
     def get_json(self, path: str, **kwargs):
         """GET path and parse JSON (ValueError on a non-JSON body)."""
@@ -233,18 +246,38 @@ class HttpClient:
 class RemoteScorer(Scorer):
     name = "remote"
 
-    def __init__(self, url: str, *, timeout_s: float = 120.0, max_attempts: int = 4, backoff_s: float = 0.5,
-                 max_backoff_s: float = 10.0, deadline_s: float | None = None,
-                 retry_statuses: Sequence[int] = RETRY_STATUSES, on_bad_response: str = "raise",
-                 health_check: bool = True, batch_size: int = 16, key: str | None = None, seed: int | None = None,
-                 token: str | None = None):
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float = 120.0,
+        max_attempts: int = 4,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 10.0,
+        deadline_s: float | None = None,
+        retry_statuses: Sequence[int] = RETRY_STATUSES,
+        on_bad_response: str = "raise",
+        health_check: bool = True,
+        batch_size: int = 16,
+        key: str | None = None,
+        seed: int | None = None,
+        token: str | None = None,
+    ):
         super().__init__(batch_size=batch_size, key=key)
         if on_bad_response not in BAD_RESPONSE_POLICIES:
             raise ValueError(f"on_bad_response must be one of {BAD_RESPONSE_POLICIES}, got {on_bad_response!r}")
-        self.client = HttpClient(url, timeout_s=timeout_s, max_attempts=max_attempts, backoff_s=backoff_s,
-                                 max_backoff_s=max_backoff_s, deadline_s=deadline_s,
-                                 retry_statuses=retry_statuses, seed=seed, counters=self.counters,
-                                 token=resolve_token(token))
+        self.client = HttpClient(
+            url,
+            timeout_s=timeout_s,
+            max_attempts=max_attempts,
+            backoff_s=backoff_s,
+            max_backoff_s=max_backoff_s,
+            deadline_s=deadline_s,
+            retry_statuses=retry_statuses,
+            seed=seed,
+            counters=self.counters,
+            token=resolve_token(token),
+        )
         self.url = self.client.url
         self.on_bad_response = on_bad_response
         self.health_check = health_check
@@ -311,7 +344,7 @@ class RemoteScorer(Scorer):
             if name == server_key:
                 out[self.key] = value
             elif name.startswith(server_key + "/"):
-                out[self.key + name[len(server_key):]] = value
+                out[self.key + name[len(server_key) :]] = value
             else:
                 raise WireError(f"score '{name}' is not named after the main key '{server_key}'")
         return out
@@ -340,14 +373,36 @@ def _error_detail(e: urllib.error.HTTPError) -> str:
 
 
 @register("remote")
-def build_remote(*, url: str, timeout_s: float = 120.0, max_attempts: int = 4, backoff_s: float = 0.5,
-                 max_backoff_s: float = 10.0, deadline_s: float | None = None,
-                 retry_statuses: Sequence[int] = RETRY_STATUSES, on_bad_response: str = "raise",
-                 health_check: bool = True, batch_size: int = 16, key: str | None = None,
-                 seed: int | None = None, token: str | None = None) -> RemoteScorer:
+def build_remote(
+    *,
+    url: str,
+    timeout_s: float = 120.0,
+    max_attempts: int = 4,
+    backoff_s: float = 0.5,
+    max_backoff_s: float = 10.0,
+    deadline_s: float | None = None,
+    retry_statuses: Sequence[int] = RETRY_STATUSES,
+    on_bad_response: str = "raise",
+    health_check: bool = True,
+    batch_size: int = 16,
+    key: str | None = None,
+    seed: int | None = None,
+    token: str | None = None,
+) -> RemoteScorer:
     """Any HTTP reward server speaking reward_models.wire (see scripts/reward_server.py); `token`: the
     server's bearer token, or `env:NAME` to read it from an environment variable."""
-    return RemoteScorer(url, timeout_s=timeout_s, max_attempts=max_attempts, backoff_s=backoff_s,
-                        max_backoff_s=max_backoff_s, deadline_s=deadline_s, retry_statuses=retry_statuses,
-                        on_bad_response=on_bad_response, health_check=health_check, batch_size=batch_size,
-                        key=key, seed=seed, token=token)
+    return RemoteScorer(
+        url,
+        timeout_s=timeout_s,
+        max_attempts=max_attempts,
+        backoff_s=backoff_s,
+        max_backoff_s=max_backoff_s,
+        deadline_s=deadline_s,
+        retry_statuses=retry_statuses,
+        on_bad_response=on_bad_response,
+        health_check=health_check,
+        batch_size=batch_size,
+        key=key,
+        seed=seed,
+        token=token,
+    )

@@ -28,8 +28,10 @@ from .wire import ImageTooLarge, WireError, decode_request, encode_scores, parse
 
 MAX_BODY_BYTES = 512 * 2**20
 _BUSY_BODY = b'{"error": "too many open connections; retry"}'
-_BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
-         b"Content-Length: " + str(len(_BUSY_BODY)).encode() + b"\r\nConnection: close\r\n\r\n" + _BUSY_BODY)
+_BUSY = (
+    b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+    b"Content-Length: " + str(len(_BUSY_BODY)).encode() + b"\r\nConnection: close\r\n\r\n" + _BUSY_BODY
+)
 
 
 @dataclass
@@ -37,11 +39,11 @@ class ServerLimits:
     """What one client may cost the server."""
 
     max_body_bytes: int = MAX_BODY_BYTES
-    max_pixels: int = 4096 * 4096          # per image, read from the PNG header before decoding
-    header_timeout_s: float = 10.0         # request line + headers, in total
-    body_timeout_s: float = 120.0          # the whole body, in total
-    idle_timeout_s: float = 30.0           # any single wait for bytes (and an idle connection)
-    max_connections: int = 64              # open at once; more are answered 503 (the client retries)
+    max_pixels: int = 4096 * 4096  # per image, read from the PNG header before decoding
+    header_timeout_s: float = 10.0  # request line + headers, in total
+    body_timeout_s: float = 120.0  # the whole body, in total
+    idle_timeout_s: float = 30.0  # any single wait for bytes (and an idle connection)
+    max_connections: int = 64  # open at once; more are answered 503 (the client retries)
 
 
 class _Watchdog:
@@ -75,8 +77,15 @@ class LocalJSONServer(ThreadingHTTPServer):
 
     daemon_threads = True  # a hung client never keeps the process alive
 
-    def __init__(self, handler: type, host: str, port: int, max_body_bytes: int,
-                 limits: Optional[ServerLimits] = None, token: Optional[str] = None):
+    def __init__(
+        self,
+        handler: type,
+        host: str,
+        port: int,
+        max_body_bytes: int,
+        limits: Optional[ServerLimits] = None,
+        token: Optional[str] = None,
+    ):
         self.limits = limits or ServerLimits(max_body_bytes=max_body_bytes)
         self.max_body_bytes = self.limits.max_body_bytes
         self.token = token or None
@@ -141,8 +150,11 @@ class JSONHandler(BaseHTTPRequestHandler):
             ok = scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), expected.encode())
             if not ok:
                 self.close_connection = True
-                self._reply(401, {"error": "missing or wrong bearer token (Authorization: Bearer <token>)"},
-                            {"WWW-Authenticate": "Bearer"})
+                self._reply(
+                    401,
+                    {"error": "missing or wrong bearer token (Authorization: Bearer <token>)"},
+                    {"WWW-Authenticate": "Bearer"},
+                )
                 return False
         return True
 
@@ -183,16 +195,30 @@ class JSONHandler(BaseHTTPRequestHandler):
 
 
 class RewardServer(LocalJSONServer):
-    def __init__(self, scorer: Scorer, host: str = "127.0.0.1", port: int = 0, *,
-                 max_body_bytes: int = MAX_BODY_BYTES, verbose: bool = False,
-                 limits: Optional[ServerLimits] = None, token: Optional[str] = None):
+    def __init__(
+        self,
+        scorer: Scorer,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        max_body_bytes: int = MAX_BODY_BYTES,
+        verbose: bool = False,
+        limits: Optional[ServerLimits] = None,
+        token: Optional[str] = None,
+    ):
         self.scorer, self.verbose = scorer, verbose
         super().__init__(RewardHandler, host, port, max_body_bytes, limits, token)
 
     def health_info(self) -> dict:
         s = self.scorer
-        return {"status": "ok", "scorer": s.name, "key": s.key, "requires_prompts": bool(s.requires_prompts),
-                "metadata_keys": list(s.metadata_keys)}
+        return {
+            "status": "ok",
+            "scorer": s.name,
+            "key": s.key,
+            "requires_prompts": bool(s.requires_prompts),
+            "metadata_keys": list(s.metadata_keys),
+        }
+
 
 class RewardHandler(JSONHandler):
     server: RewardServer

@@ -44,9 +44,12 @@ class ImageSimilarity(Pretrained, Scorer):
         chunks = []
         with torch.no_grad():
             for s in range(0, len(images), self.batch_size):
-                part = images[s:s + self.batch_size]
-                batch = ImageBatch(torch.stack(part)) if all(isinstance(p, torch.Tensor) for p in part) \
-                    and len({tuple(p.shape) for p in part}) == 1 else ImageBatch(_as_pil(part))
+                part = images[s : s + self.batch_size]
+                batch = (
+                    ImageBatch(torch.stack(part))
+                    if all(isinstance(p, torch.Tensor) for p in part) and len({tuple(p.shape) for p in part}) == 1
+                    else ImageBatch(_as_pil(part))
+                )
                 chunks.append(F.normalize(self.backbone.image_embeds(batch).float(), dim=-1))
         return torch.cat(chunks)
 
@@ -60,7 +63,7 @@ class ImageSimilarity(Pretrained, Scorer):
             if not rs:
                 scores.append(generated.new_tensor(float("nan")))
                 continue
-            sims = ref_feats[start:start + len(rs)] @ generated[i]
+            sims = ref_feats[start : start + len(rs)] @ generated[i]
             scores.append(sims.max())
             start += len(rs)
         return {self.key: torch.stack(scores)}
@@ -75,22 +78,42 @@ def _as_pil(images: list) -> list:
 
 
 @register("image_similarity")
-def build_image_similarity(*, backbone: str = "clip", model: str | None = None, processor: str | None = None,
-                           image_size: int | None = None, tiny: bool = False, device: str = "auto",
-                           dtype: str = "float32", preprocess: str = "tensor", batch_size: int = 32,
-                           local_files_only: bool = False, key: str | None = None) -> ImageSimilarity:
+def build_image_similarity(
+    *,
+    backbone: str = "clip",
+    model: str | None = None,
+    processor: str | None = None,
+    image_size: int | None = None,
+    tiny: bool = False,
+    device: str = "auto",
+    dtype: str = "float32",
+    preprocess: str = "tensor",
+    batch_size: int = 32,
+    local_files_only: bool = False,
+    key: str | None = None,
+) -> ImageSimilarity:
     """Max cosine similarity to reference images (metadata 'reference_images'), CLIP or DINOv2."""
     if backbone == "clip":
         if image_size is not None:
             raise ValueError("image_size applies to backbone='dinov2'; CLIP uses its processor's sizes")
-        net = load_clip(model or CLIP_L14, processor=processor, tiny=tiny, local_files_only=local_files_only,
-                        device=device, dtype=dtype, preprocess=preprocess)
+        net = load_clip(
+            model or CLIP_L14,
+            processor=processor,
+            tiny=tiny,
+            local_files_only=local_files_only,
+            device=device,
+            dtype=dtype,
+            preprocess=preprocess,
+        )
     elif backbone == "dinov2":
         if preprocess != "tensor" or processor is not None:
             raise ValueError("backbone='dinov2' has only the tensor preprocessing (Adv-GRPO recipe)")
         kw = dict(image_size=image_size, device=device, dtype=dtype)
-        net = Dinov2Backbone.tiny(**kw) if tiny else Dinov2Backbone.from_pretrained(
-            model or DINOV2_BASE, local_files_only=local_files_only, **kw)
+        net = (
+            Dinov2Backbone.tiny(**kw)
+            if tiny
+            else Dinov2Backbone.from_pretrained(model or DINOV2_BASE, local_files_only=local_files_only, **kw)
+        )
     else:
         raise ValueError(f"backbone must be one of {BACKBONES}, got {backbone!r}")
     return ImageSimilarity(net, batch_size=batch_size, key=key)

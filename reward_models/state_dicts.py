@@ -23,5 +23,5 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ValueError(f"{path}: not a state dict of tensors")
     if all(k.startswith("module.") for k in state):  # saved from DistributedDataParallel
-        state = {k[len("module."):]: v for k, v in state.items()}
+        state = {k[len("module.") :]: v for k, v in state.items()}
     return state

@@ -52,8 +52,14 @@ def tiny_clip_model(seed: int = 0, projection_dim: int = 16):
 
     common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
     config = CLIPConfig(
-        text_config=dict(common, vocab_size=514, max_position_embeddings=TINY_TEXT_LENGTH,
-                         bos_token_id=0, eos_token_id=1, pad_token_id=1),
+        text_config=dict(
+            common,
+            vocab_size=514,
+            max_position_embeddings=TINY_TEXT_LENGTH,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=1,
+        ),
         vision_config=dict(common, image_size=TINY_IMAGE_SIZE, patch_size=8),
         projection_dim=projection_dim,
     )
@@ -65,8 +71,9 @@ def tiny_clip_model(seed: int = 0, projection_dim: int = 16):
 def tiny_dinov2_model(seed: int = 0):
     from transformers import Dinov2Config, Dinov2Model
 
-    config = Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                          image_size=16, patch_size=4)
+    config = Dinov2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=16, patch_size=4
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return Dinov2Model(config).eval()

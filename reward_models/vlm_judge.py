@@ -113,8 +113,9 @@ def parse_preference(text: str | None) -> float | None:
     return 1.0 if winners.pop() == "1" else 0.0
 
 
-def image_data_url(image: Image.Image, *, image_format: str = "jpeg", jpeg_quality: int = 95,
-                   max_side: int | None = None) -> str:
+def image_data_url(
+    image: Image.Image, *, image_format: str = "jpeg", jpeg_quality: int = 95, max_side: int | None = None
+) -> str:
     """An RGB image as a base64 data URL, downscaled (bicubic) so its longer side <= max_side."""
     image = image.convert("RGB")
     if max_side is not None and max(image.size) > max_side:
@@ -153,12 +154,30 @@ def _base_url(url: str) -> str:
 class JudgeClient:
     """Chat requests with images, many at a time, on the shared HttpClient."""
 
-    def __init__(self, url: str, *, model: str | None = None, api_key: str | None = None, counters=None,
-                 timeout_s: float = 120.0, max_attempts: int = 4, backoff_s: float = 0.5, max_backoff_s: float = 10.0,
-                 deadline_s: float | None = None, retry_statuses: Sequence[int] = RETRY_STATUSES,
-                 concurrency: int = 16, max_tokens: int = 1024, temperature: float = 0.0, image_format: str = "jpeg",
-                 jpeg_quality: int = 95, max_side: int | None = None, request_params: Mapping[str, Any] | None = None,
-                 on_bad_response: str = "nan", health_check: bool = True, seed: int | None = None):
+    def __init__(
+        self,
+        url: str,
+        *,
+        model: str | None = None,
+        api_key: str | None = None,
+        counters=None,
+        timeout_s: float = 120.0,
+        max_attempts: int = 4,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 10.0,
+        deadline_s: float | None = None,
+        retry_statuses: Sequence[int] = RETRY_STATUSES,
+        concurrency: int = 16,
+        max_tokens: int = 1024,
+        temperature: float = 0.0,
+        image_format: str = "jpeg",
+        jpeg_quality: int = 95,
+        max_side: int | None = None,
+        request_params: Mapping[str, Any] | None = None,
+        on_bad_response: str = "nan",
+        health_check: bool = True,
+        seed: int | None = None,
+    ):
         if on_bad_response not in BAD_RESPONSE_POLICIES:
             raise ValueError(f"on_bad_response must be one of {BAD_RESPONSE_POLICIES}, got {on_bad_response!r}")
         if image_format not in IMAGE_FORMATS:
@@ -168,12 +187,24 @@ class JudgeClient:
         if max_side is not None and int(max_side) < 1:
             raise ValueError(f"max_side must be >= 1 or None, got {max_side}")
         if model is None and not health_check:
-            raise ValueError("set `model` (the served model name) when health_check is off; the health check "
-                             "would otherwise pick the first model the server lists")
+            raise ValueError(
+                "set `model` (the served model name) when health_check is off; the health check "
+                "would otherwise pick the first model the server lists"
+            )
         # api_key is the judge server's bearer token (a value, or env:NAME)
-        self.http = HttpClient(_base_url(url), timeout_s=timeout_s, max_attempts=max_attempts, backoff_s=backoff_s,
-                               max_backoff_s=max_backoff_s, deadline_s=deadline_s, retry_statuses=retry_statuses,
-                               seed=seed, counters=counters, what="VLM judge", token=resolve_token(api_key))
+        self.http = HttpClient(
+            _base_url(url),
+            timeout_s=timeout_s,
+            max_attempts=max_attempts,
+            backoff_s=backoff_s,
+            max_backoff_s=max_backoff_s,
+            deadline_s=deadline_s,
+            retry_statuses=retry_statuses,
+            seed=seed,
+            counters=counters,
+            what="VLM judge",
+            token=resolve_token(api_key),
+        )
         self.model = model
         self.concurrency = int(concurrency)
         self.max_tokens, self.temperature = int(max_tokens), float(temperature)
@@ -195,8 +226,10 @@ class JudgeClient:
             payload = self.http.get_json("/models")
             ids = [m["id"] for m in payload["data"]]
         except HTTPStatusError as e:
-            raise RemoteRewardError(f"VLM judge {self.url}/models: {e} (an OpenAI-compatible server "
-                                    "serves GET /v1/models; set health_check=False to skip this check)") from None
+            raise RemoteRewardError(
+                f"VLM judge {self.url}/models: {e} (an OpenAI-compatible server "
+                "serves GET /v1/models; set health_check=False to skip this check)"
+            ) from None
         except (ValueError, KeyError, TypeError) as e:
             raise RemoteRewardError(f"VLM judge {self.url}/models answered no model list: {e}") from None
         if not ids:
@@ -204,25 +237,39 @@ class JudgeClient:
         if self.model is None:
             self.model = ids[0]
         elif self.model not in ids:
-            raise RemoteRewardError(f"VLM judge {self.url} does not serve model '{self.model}'; it serves {ids} "
-                                    "(vLLM: --served-model-name)")
+            raise RemoteRewardError(
+                f"VLM judge {self.url} does not serve model '{self.model}'; it serves {ids} (vLLM: --served-model-name)"
+            )
         self.served_models = ids
         return ids
 
     def request(self, images: Sequence[Image.Image], text: str) -> dict:
-        content = [{"type": "image_url", "image_url": {"url": image_data_url(
-            im, image_format=self.image_format, jpeg_quality=self.jpeg_quality, max_side=self.max_side)}}
-            for im in images]
+        content = [
+            {
+                "type": "image_url",
+                "image_url": {
+                    "url": image_data_url(
+                        im, image_format=self.image_format, jpeg_quality=self.jpeg_quality, max_side=self.max_side
+                    )
+                },
+            }
+            for im in images
+        ]
         content.append({"type": "text", "text": text})
-        body = {"model": self.model, "messages": [{"role": "user", "content": content}],
-                "max_tokens": self.max_tokens, "temperature": self.temperature}
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+        }
         body.update(self.request_params)
         return body
 
     def _ask(self, images: Sequence[Image.Image], text: str, stop: threading.Event) -> str | None:
         try:
-            payload = json.loads(self.http.send("POST", "/chat/completions",
-                                                json.dumps(self.request(images, text)).encode(), stop=stop))
+            payload = json.loads(
+                self.http.send("POST", "/chat/completions", json.dumps(self.request(images, text)).encode(), stop=stop)
+            )
             reply = reply_text(payload)
         except (HTTPStatusError, ValueError) as e:  # json errors are ValueErrors
             self.http.count("bad_responses")
@@ -274,9 +321,18 @@ class VLMJudge(Scorer):
 
     name = "vlm_judge"
 
-    def __init__(self, url: str, *, template: str = POINTWISE_TEMPLATE, score_pattern: str = SCORE_PATTERN,
-                 score_min: float = 1.0, score_max: float = 10.0, batch_size: int = 64, key: str | None = None,
-                 **client: Any):
+    def __init__(
+        self,
+        url: str,
+        *,
+        template: str = POINTWISE_TEMPLATE,
+        score_pattern: str = SCORE_PATTERN,
+        score_min: float = 1.0,
+        score_max: float = 10.0,
+        batch_size: int = 64,
+        key: str | None = None,
+        **client: Any,
+    ):
         super().__init__(batch_size=batch_size, key=key)
         if not score_max > score_min:
             raise ValueError(f"score_max must be > score_min, got {score_min}..{score_max}")
@@ -317,8 +373,15 @@ class PairwiseVLMJudge(PairwiseScorer):
 
     name = "vlm_judge_pairwise"
 
-    def __init__(self, url: str, *, template: str = PAIRWISE_TEMPLATE, both_orders: bool = False,
-                 batch_size: int = 64, **client: Any):
+    def __init__(
+        self,
+        url: str,
+        *,
+        template: str = PAIRWISE_TEMPLATE,
+        both_orders: bool = False,
+        batch_size: int = 64,
+        **client: Any,
+    ):
         super().__init__(batch_size=batch_size)
         client.setdefault("max_tokens", 4096)  # room for the judge's reasoning (Pref-GRPO: 4096)
         client.setdefault("timeout_s", 300.0)
@@ -376,50 +439,162 @@ def _bearer(api_key: str | None, token: str | None) -> str | None:
     return api_key or token
 
 
-def _client_settings(url, model, api_key, timeout_s, max_attempts, backoff_s, max_backoff_s, deadline_s,
-                     retry_statuses, concurrency, max_tokens, temperature, image_format, jpeg_quality, max_side,
-                     request_params, on_bad_response, health_check, seed) -> dict:
-    return dict(url=url, model=model, api_key=api_key, timeout_s=timeout_s, max_attempts=max_attempts,
-                backoff_s=backoff_s, max_backoff_s=max_backoff_s, deadline_s=deadline_s,
-                retry_statuses=retry_statuses, concurrency=concurrency, max_tokens=max_tokens,
-                temperature=temperature, image_format=image_format, jpeg_quality=jpeg_quality, max_side=max_side,
-                request_params=request_params, on_bad_response=on_bad_response, health_check=health_check,
-                seed=seed)
+def _client_settings(
+    url,
+    model,
+    api_key,
+    timeout_s,
+    max_attempts,
+    backoff_s,
+    max_backoff_s,
+    deadline_s,
+    retry_statuses,
+    concurrency,
+    max_tokens,
+    temperature,
+    image_format,
+    jpeg_quality,
+    max_side,
+    request_params,
+    on_bad_response,
+    health_check,
+    seed,
+) -> dict:
+    return dict(
+        url=url,
+        model=model,
+        api_key=api_key,
+        timeout_s=timeout_s,
+        max_attempts=max_attempts,
+        backoff_s=backoff_s,
+        max_backoff_s=max_backoff_s,
+        deadline_s=deadline_s,
+        retry_statuses=retry_statuses,
+        concurrency=concurrency,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        image_format=image_format,
+        jpeg_quality=jpeg_quality,
+        max_side=max_side,
+        request_params=request_params,
+        on_bad_response=on_bad_response,
+        health_check=health_check,
+        seed=seed,
+    )
 
 
 @register("vlm_judge")
-def build_vlm_judge(*, url: str, model: str | None = None, api_key: str | None = None,
-                    template: str = POINTWISE_TEMPLATE, score_pattern: str = SCORE_PATTERN,
-                    score_min: float = 1.0, score_max: float = 10.0, concurrency: int = 16,
-                    max_tokens: int = 1024, temperature: float = 0.0, image_format: str = "jpeg",
-                    jpeg_quality: int = 95, max_side: int | None = None,
-                    request_params: Mapping[str, Any] | None = None, timeout_s: float = 120.0,
-                    max_attempts: int = 4, backoff_s: float = 0.5, max_backoff_s: float = 10.0,
-                    deadline_s: float | None = None, retry_statuses: Sequence[int] = RETRY_STATUSES,
-                    on_bad_response: str = "nan", health_check: bool = True, batch_size: int = 64,
-                    key: str | None = None, seed: int | None = None, token: str | None = None) -> VLMJudge:
+def build_vlm_judge(
+    *,
+    url: str,
+    model: str | None = None,
+    api_key: str | None = None,
+    template: str = POINTWISE_TEMPLATE,
+    score_pattern: str = SCORE_PATTERN,
+    score_min: float = 1.0,
+    score_max: float = 10.0,
+    concurrency: int = 16,
+    max_tokens: int = 1024,
+    temperature: float = 0.0,
+    image_format: str = "jpeg",
+    jpeg_quality: int = 95,
+    max_side: int | None = None,
+    request_params: Mapping[str, Any] | None = None,
+    timeout_s: float = 120.0,
+    max_attempts: int = 4,
+    backoff_s: float = 0.5,
+    max_backoff_s: float = 10.0,
+    deadline_s: float | None = None,
+    retry_statuses: Sequence[int] = RETRY_STATUSES,
+    on_bad_response: str = "nan",
+    health_check: bool = True,
+    batch_size: int = 64,
+    key: str | None = None,
+    seed: int | None = None,
+    token: str | None = None,
+) -> VLMJudge:
     """VLM judge over an OpenAI-compatible endpoint: a parsed score, normalised to [0, 1]. `token` (or its
     OpenAI name `api_key`): the server's bearer token, a value or `env:NAME`."""
-    client = _client_settings(url, model, _bearer(api_key, token), timeout_s, max_attempts, backoff_s, max_backoff_s, deadline_s,
-                              retry_statuses, concurrency, max_tokens, temperature, image_format, jpeg_quality,
-                              max_side, request_params, on_bad_response, health_check, seed)
-    return VLMJudge(template=template, score_pattern=score_pattern, score_min=score_min, score_max=score_max,
-                    batch_size=batch_size, key=key, **client)
+    client = _client_settings(
+        url,
+        model,
+        _bearer(api_key, token),
+        timeout_s,
+        max_attempts,
+        backoff_s,
+        max_backoff_s,
+        deadline_s,
+        retry_statuses,
+        concurrency,
+        max_tokens,
+        temperature,
+        image_format,
+        jpeg_quality,
+        max_side,
+        request_params,
+        on_bad_response,
+        health_check,
+        seed,
+    )
+    return VLMJudge(
+        template=template,
+        score_pattern=score_pattern,
+        score_min=score_min,
+        score_max=score_max,
+        batch_size=batch_size,
+        key=key,
+        **client,
+    )
 
 
 @register("vlm_judge_pairwise", kind="pairwise")
-def build_vlm_judge_pairwise(*, url: str, model: str | None = None, api_key: str | None = None,
-                             template: str = PAIRWISE_TEMPLATE, both_orders: bool = False, concurrency: int = 16,
-                             max_tokens: int = 4096, temperature: float = 0.0, image_format: str = "jpeg",
-                             jpeg_quality: int = 95, max_side: int | None = None,
-                             request_params: Mapping[str, Any] | None = None, timeout_s: float = 300.0,
-                             max_attempts: int = 4, backoff_s: float = 0.5, max_backoff_s: float = 10.0,
-                             deadline_s: float | None = None, retry_statuses: Sequence[int] = RETRY_STATUSES,
-                             on_bad_response: str = "nan", health_check: bool = True, batch_size: int = 64,
-                             seed: int | None = None, token: str | None = None) -> PairwiseVLMJudge:
+def build_vlm_judge_pairwise(
+    *,
+    url: str,
+    model: str | None = None,
+    api_key: str | None = None,
+    template: str = PAIRWISE_TEMPLATE,
+    both_orders: bool = False,
+    concurrency: int = 16,
+    max_tokens: int = 4096,
+    temperature: float = 0.0,
+    image_format: str = "jpeg",
+    jpeg_quality: int = 95,
+    max_side: int | None = None,
+    request_params: Mapping[str, Any] | None = None,
+    timeout_s: float = 300.0,
+    max_attempts: int = 4,
+    backoff_s: float = 0.5,
+    max_backoff_s: float = 10.0,
+    deadline_s: float | None = None,
+    retry_statuses: Sequence[int] = RETRY_STATUSES,
+    on_bad_response: str = "nan",
+    health_check: bool = True,
+    batch_size: int = 64,
+    seed: int | None = None,
+    token: str | None = None,
+) -> PairwiseVLMJudge:
     """Pairwise VLM judge (UnifiedReward-Think protocol): P(a beats b), 0.5 when undecided. `token` / `api_key`:
     the server's bearer token, a value or `env:NAME`."""
-    client = _client_settings(url, model, _bearer(api_key, token), timeout_s, max_attempts, backoff_s, max_backoff_s, deadline_s,
-                              retry_statuses, concurrency, max_tokens, temperature, image_format, jpeg_quality,
-                              max_side, request_params, on_bad_response, health_check, seed)
+    client = _client_settings(
+        url,
+        model,
+        _bearer(api_key, token),
+        timeout_s,
+        max_attempts,
+        backoff_s,
+        max_backoff_s,
+        deadline_s,
+        retry_statuses,
+        concurrency,
+        max_tokens,
+        temperature,
+        image_format,
+        jpeg_quality,
+        max_side,
+        request_params,
+        on_bad_response,
+        health_check,
+        seed,
+    )
     return PairwiseVLMJudge(template=template, both_orders=both_orders, batch_size=batch_size, **client)

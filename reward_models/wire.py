@@ -75,8 +75,10 @@ def decode_png(data: Any, max_pixels: int | None = None) -> Image.Image:
             raise WireError(f"images must be PNG, got {image.format}")
         width, height = image.size
         if max_pixels is not None and width * height > max_pixels:
-            raise ImageTooLarge(f"image of {width} x {height} pixels is over the server's limit of {max_pixels} "
-                                "pixels; send smaller images")
+            raise ImageTooLarge(
+                f"image of {width} x {height} pixels is over the server's limit of {max_pixels} "
+                "pixels; send smaller images"
+            )
         image.load()
     except (binascii.Error, OSError, Image.DecompressionBombError) as e:
         raise WireError(f"undecodable image: {e}") from None
@@ -120,15 +122,17 @@ def encode_request(images: ImageBatch, prompts: list[str] | None, metadata: dict
     }
 
 
-def decode_request(payload: Any, max_pixels: int | None = None) -> tuple[list[Image.Image], list[str] | None,
-                                                                         dict[str, list]]:
+def decode_request(
+    payload: Any, max_pixels: int | None = None
+) -> tuple[list[Image.Image], list[str] | None, dict[str, list]]:
     if not isinstance(payload, dict) or not isinstance(payload.get("images"), list):
         raise WireError("request must be a JSON object with an 'images' list")
     images = [decode_png(s, max_pixels) for s in payload["images"]]
     n = len(images)
     prompts = payload.get("prompts")
-    if prompts is not None and (not isinstance(prompts, list) or len(prompts) != n
-                                or not all(isinstance(p, str) for p in prompts)):
+    if prompts is not None and (
+        not isinstance(prompts, list) or len(prompts) != n or not all(isinstance(p, str) for p in prompts)
+    ):
         raise WireError(f"'prompts' must be null or a list of {n} strings")
     metadata = payload.get("metadata") or {}
     if not isinstance(metadata, dict):

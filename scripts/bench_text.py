@@ -80,29 +80,51 @@ def reward_lower(prompts, completions, **kwargs):
 
 # --- our trainer -----------------------------------------------------------------------------------
 
+
 def run_ours(args, size: str, variant: str, out_dir: Path) -> list[dict]:
     from flowgrpo.text import TextGRPOTrainer, load_text_config
 
     P, G, T = args.prompts, args.group_size, args.max_new_tokens
     tiny = SIZES[size]
     overrides = [
-        f"output_dir={out_dir}", "progress=false", f"steps={args.warmup + args.steps}", f"seed={args.seed}",
-        "model.name_or_path=tiny", f"model.device={args.device}", "model.tiny.max_position_embeddings=512",
+        f"output_dir={out_dir}",
+        "progress=false",
+        f"steps={args.warmup + args.steps}",
+        f"seed={args.seed}",
+        "model.name_or_path=tiny",
+        f"model.device={args.device}",
+        "model.tiny.max_position_embeddings=512",
         *[f"model.tiny.{k}={v}" for k, v in tiny.items()],
-        "data.task={name: pattern, rows: 64}", "data.chat_template=false",
-        f"generation.prompts_per_step={P}", f"generation.group_size={G}", f"generation.max_new_tokens={T}",
-        "generation.temperature=1.0", "generation.top_p=1.0", "generation.top_k=0", f"generation.batch_size={P * G}",
-        "rewards=[{name: reward_lower}]", "advantage.estimator=grpo", f"loss.preset={args.loss}", "loss.kl.coef=0",
-        f"optim.lr={args.lr}", "optim.max_grad_norm=1.0",
-        "train.inner_epochs=1", "train.mini_batches=1", f"train.micro_batch_size={P * G}",
-        f"train.logprob_batch_size={P * G}", f"ratio_check.enabled={str(variant == 'ours_default').lower()}",
+        "data.task={name: pattern, rows: 64}",
+        "data.chat_template=false",
+        f"generation.prompts_per_step={P}",
+        f"generation.group_size={G}",
+        f"generation.max_new_tokens={T}",
+        "generation.temperature=1.0",
+        "generation.top_p=1.0",
+        "generation.top_k=0",
+        f"generation.batch_size={P * G}",
+        "rewards=[{name: reward_lower}]",
+        "advantage.estimator=grpo",
+        f"loss.preset={args.loss}",
+        "loss.kl.coef=0",
+        f"optim.lr={args.lr}",
+        "optim.max_grad_norm=1.0",
+        "train.inner_epochs=1",
+        "train.mini_batches=1",
+        f"train.micro_batch_size={P * G}",
+        f"train.logprob_batch_size={P * G}",
+        f"ratio_check.enabled={str(variant == 'ours_default').lower()}",
         f"train.shared_prompt={'false' if variant == 'ours_plain' else 'auto'}",
-        "checkpoint.every=0", "checkpoint.save_final_model=false",
+        "checkpoint.every=0",
+        "checkpoint.save_final_model=false",
     ]
     if args.threads:
         overrides.append(f"num_threads={args.threads}")
-    trainer = TextGRPOTrainer(load_text_config(ROOT / "configs" / "text" / "tiny_pattern.yaml", overrides),
-                              reward_funcs={"reward_lower": reward_lower})
+    trainer = TextGRPOTrainer(
+        load_text_config(ROOT / "configs" / "text" / "tiny_pattern.yaml", overrides),
+        reward_funcs={"reward_lower": reward_lower},
+    )
     steps = []
     for i in range(args.warmup + args.steps):
         _sync(args.device)
@@ -111,11 +133,19 @@ def run_ours(args, size: str, variant: str, out_dir: Path) -> list[dict]:
         _sync(args.device)
         seconds = time.perf_counter() - t0
         if i >= args.warmup:
-            steps.append({"seconds": seconds, "tokens": rec["tokens/generated"],
-                          "phases": {name: rec[k] for k, name in PHASES.items() if k in rec},
-                          "reward": rec["reward_mean"],
-                          "counts": {k: rec[k] for k in ("count/forward_nograd", "count/forward_grad",
-                                                         "backward_passes", "check/rows") if k in rec}})
+            steps.append(
+                {
+                    "seconds": seconds,
+                    "tokens": rec["tokens/generated"],
+                    "phases": {name: rec[k] for k, name in PHASES.items() if k in rec},
+                    "reward": rec["reward_mean"],
+                    "counts": {
+                        k: rec[k]
+                        for k in ("count/forward_nograd", "count/forward_grad", "backward_passes", "check/rows")
+                        if k in rec
+                    },
+                }
+            )
     return steps
 
 
@@ -149,15 +179,38 @@ def run_trl(args, size: str, out_dir: Path) -> list[dict]:
     model = build_tiny_model(TinyModelConfig(max_position_embeddings=512, **SIZES[size]), len(tok), tok.eos_token_id)
     dataset = Dataset.from_list(pattern_task(rows=64))
     config = GRPOConfig(
-        output_dir=str(out_dir), per_device_train_batch_size=P * G, gradient_accumulation_steps=1,
-        num_generations=G, max_completion_length=T, temperature=1.0, top_p=1.0, top_k=0,
-        loss_type=args.loss, beta=0.0, num_iterations=1, epsilon=0.2,
-        epsilon_high=0.28 if args.loss == "dapo" else 0.2, scale_rewards="group",
-        learning_rate=args.lr, max_grad_norm=1.0, lr_scheduler_type="constant", warmup_steps=0,
-        bf16=False, fp16=False, activation_checkpointing=False, use_vllm=False,
-        use_cpu=args.device == "cpu", report_to="none", logging_steps=1, save_strategy="no",
-        max_steps=args.warmup + args.steps, disable_tqdm=True, seed=args.seed, log_completions=False,
-        dataloader_num_workers=0, push_to_hub=False,
+        output_dir=str(out_dir),
+        per_device_train_batch_size=P * G,
+        gradient_accumulation_steps=1,
+        num_generations=G,
+        max_completion_length=T,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        loss_type=args.loss,
+        beta=0.0,
+        num_iterations=1,
+        epsilon=0.2,
+        epsilon_high=0.28 if args.loss == "dapo" else 0.2,
+        scale_rewards="group",
+        learning_rate=args.lr,
+        max_grad_norm=1.0,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        bf16=False,
+        fp16=False,
+        activation_checkpointing=False,
+        use_vllm=False,
+        use_cpu=args.device == "cpu",
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        max_steps=args.warmup + args.steps,
+        disable_tqdm=True,
+        seed=args.seed,
+        log_completions=False,
+        dataloader_num_workers=0,
+        push_to_hub=False,
     )
 
     class StepTimer(TrainerCallback):
@@ -173,7 +226,7 @@ def run_trl(args, size: str, out_dir: Path) -> list[dict]:
             _sync(args.device)
             seconds = time.perf_counter() - self.t0
             phases = defaultdict(float)
-            for name, d in _TRL_TIMERS[self.mark:]:
+            for name, d in _TRL_TIMERS[self.mark :]:
                 phases[name.split(".", 1)[-1]] += d
             self.steps.append({"seconds": seconds, "phases": dict(phases)})
 
@@ -183,16 +236,23 @@ def run_trl(args, size: str, out_dir: Path) -> list[dict]:
                 self.steps[-1]["reward"] = logs.get("reward")
 
     timer = StepTimer()
-    trainer = GRPOTrainer(model=model, reward_funcs=reward_lower, args=config, train_dataset=dataset,
-                          processing_class=tok, callbacks=[timer])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward_lower,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tok,
+        callbacks=[timer],
+    )
     trainer.remove_callback(PrinterCallback)  # no log lines on stdout
     if args.threads:
         torch.set_num_threads(args.threads)
     trainer.train()
-    return timer.steps[args.warmup:]
+    return timer.steps[args.warmup :]
 
 
 # --- report ----------------------------------------------------------------------------------------
+
 
 def _sync(device: str) -> None:
     if device.startswith("cuda") and torch.cuda.is_available():
@@ -208,8 +268,13 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    info = {"cpu": cpu, "logical_cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "platform": platform.platform(), "python": platform.python_version()}
+    info = {
+        "cpu": cpu,
+        "logical_cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
@@ -236,8 +301,10 @@ def summarize(steps: list[dict]) -> dict:
             phases[k].append(v)
     return {
         "measured_steps": len(steps),
-        "seconds_per_step_median": statistics.median(secs), "seconds_per_step_mean": statistics.fmean(secs),
-        "seconds_per_step_min": min(secs), "seconds_per_step_max": max(secs),
+        "seconds_per_step_median": statistics.median(secs),
+        "seconds_per_step_mean": statistics.fmean(secs),
+        "seconds_per_step_min": min(secs),
+        "seconds_per_step_max": max(secs),
         "tokens_per_step_mean": statistics.fmean(toks),
         "tokens_per_second": sum(toks) / sum(secs),
         "phases_mean_seconds": {k: statistics.fmean(v) for k, v in sorted(phases.items())},
@@ -248,13 +315,16 @@ def summarize(steps: list[dict]) -> dict:
 def markdown(result: dict) -> str:
     cfg, mach, ver = result["config"], result["machine"], result["versions"]
     lines = [
-        SECTION, "",
-        f"`python scripts/bench_text.py {result['argv']}`".replace(" `", "`") if result["argv"] else
-        "`python scripts/bench_text.py`",
+        SECTION,
+        "",
+        f"`python scripts/bench_text.py {result['argv']}`".replace(" `", "`")
+        if result["argv"]
+        else "`python scripts/bench_text.py`",
         "",
         f"- date (UTC): {result['date']}",
         f"- machine: {mach['cpu']}, {mach['logical_cpus']} logical CPUs, torch threads {mach['torch_threads']}"
-        + (f", GPU {mach['gpu']}" if mach.get("gpu") else "") + f"; device `{cfg['device']}`",
+        + (f", GPU {mach['gpu']}" if mach.get("gpu") else "")
+        + f"; device `{cfg['device']}`",
         f"- load average before / after: {result['load_before']} / {result['load_after']}"
         " (other jobs on the machine slow every contender alike; rounds alternate the order)",
         "- versions: " + ", ".join(f"{k} {v}" for k, v in ver.items() if v),
@@ -268,20 +338,29 @@ def markdown(result: dict) -> str:
     for size, runs in result["results"].items():
         params = result["params"][size]
         trl = runs["trl"]["seconds_per_step_median"]
-        for name, label in (("ours_matched", "ours (matched)"), ("ours_default", "ours (default, + on-policy check)"),
-                            ("ours_plain", "ours (matched, shared prompt off)"), ("trl", "TRL GRPOTrainer")):
+        for name, label in (
+            ("ours_matched", "ours (matched)"),
+            ("ours_default", "ours (default, + on-policy check)"),
+            ("ours_plain", "ours (matched, shared prompt off)"),
+            ("trl", "TRL GRPOTrainer"),
+        ):
             r = runs[name]
             ratio = trl / r["seconds_per_step_median"]
-            lines.append(f"| {size} ({params / 1e6:.2f} M) | {label} | {r['seconds_per_step_median']:.3f} | "
-                         f"{r['seconds_per_step_mean']:.3f} | {r['tokens_per_second']:.0f} | "
-                         f"{'-' if name == 'trl' else f'{ratio:.2f}x'} |")
+            lines.append(
+                f"| {size} ({params / 1e6:.2f} M) | {label} | {r['seconds_per_step_median']:.3f} | "
+                f"{r['seconds_per_step_mean']:.3f} | {r['tokens_per_second']:.0f} | "
+                f"{'-' if name == 'trl' else f'{ratio:.2f}x'} |"
+            )
     lines += ["", "Where the time goes (mean seconds per measured step):", ""]
     for size, runs in result["results"].items():
         for name in ("ours_matched", "ours_default", "ours_plain", "trl"):
             phases = runs[name]["phases_mean_seconds"]
             if name == "trl":  # the nested timers TRL reports that say most
-                keep = [k for k in phases if k in ("_prepare_inputs", "transformers.generate", "compute_loss",
-                                                   "_calculate_rewards")]
+                keep = [
+                    k
+                    for k in phases
+                    if k in ("_prepare_inputs", "transformers.generate", "compute_loss", "_calculate_rewards")
+                ]
                 phases = {k: phases[k] for k in keep}
             text = ", ".join(f"{k} {v:.3f}" for k, v in phases.items())
             lines.append(f"- {size}, {name}: step {runs[name]['seconds_per_step_mean']:.3f} = {text}")
@@ -295,7 +374,10 @@ def reading(results: dict, params: dict) -> list[str]:
     out = ["Reading:", ""]
     for size, runs in results.items():
         m, d, pl, t = (runs[c] for c in ("ours_matched", "ours_default", "ours_plain", "trl"))
-        gen_ours, gen_trl = m["phases_mean_seconds"]["generate"], t["phases_mean_seconds"].get("transformers.generate", 0)
+        gen_ours, gen_trl = (
+            m["phases_mean_seconds"]["generate"],
+            t["phases_mean_seconds"].get("transformers.generate", 0),
+        )
         rest_trl = t["seconds_per_step_mean"] - t["phases_mean_seconds"].get("_prepare_inputs", 0)
         out.append(
             f"- {size} ({params[size] / 1e6:.2f} M parameters): ours {m['speedup_vs_trl']:.2f}x TRL's speed "
@@ -305,7 +387,8 @@ def reading(results: dict, params: dict) -> list[str]:
             f"AdamW) takes {m['phases_mean_seconds']['train']:.3f} s in ours, "
             f"{pl['phases_mean_seconds']['train']:.3f} s with the shared-prompt forward off, and "
             f"{rest_trl:.3f} s in TRL (its step minus `_prepare_inputs`, which holds generation and scoring). "
-            f"The on-policy check costs {d['phases_mean_seconds'].get('logprob', 0):.3f} s a step.")
+            f"The on-policy check costs {d['phases_mean_seconds'].get('logprob', 0):.3f} s a step."
+        )
     out += [
         "- So: where the model compute is the same (generation; the update with the shared-prompt forward off) "
         "the two trainers take the same time, and the difference is our update running each distinct prompt "
@@ -366,8 +449,10 @@ def main(argv=None) -> dict:
             from flowgrpo.text.models import build_tiny_model, build_tiny_tokenizer
 
             tok = build_tiny_tokenizer()
-            params[size] = sum(x.numel() for x in build_tiny_model(
-                TinyModelConfig(**SIZES[size]), len(tok), tok.eos_token_id).parameters())
+            params[size] = sum(
+                x.numel()
+                for x in build_tiny_model(TinyModelConfig(**SIZES[size]), len(tok), tok.eos_token_id).parameters()
+            )
             steps = {c: [] for c in contenders}
             for rnd in range(args.rounds):
                 k = rnd % len(contenders)
@@ -378,16 +463,23 @@ def main(argv=None) -> dict:
                         steps[c] += run_trl(args, size, out)
                     else:
                         steps[c] += run_ours(args, size, c, out)
-                    print(f"[{size}] round {rnd + 1}/{args.rounds} {c}: "
-                          f"{statistics.median(s['seconds'] for s in steps[c][-args.steps:]):.3f} s/step", flush=True)
+                    print(
+                        f"[{size}] round {rnd + 1}/{args.rounds} {c}: "
+                        f"{statistics.median(s['seconds'] for s in steps[c][-args.steps :]):.3f} s/step",
+                        flush=True,
+                    )
             results[size] = {c: summarize(steps[c]) for c in contenders}
     load_after = [round(x, 2) for x in os.getloadavg()]
     result = {
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M"),
         "argv": " ".join(sys.argv[1:] if argv is None else argv),
         "config": {k: v for k, v in vars(args).items() if k not in ("json", "markdown")},
-        "machine": machine(), "versions": versions(), "params": params,
-        "load_before": load_before, "load_after": load_after, "results": results,
+        "machine": machine(),
+        "versions": versions(),
+        "params": params,
+        "load_before": load_before,
+        "load_after": load_after,
+        "results": results,
     }
     for runs in results.values():
         for c in ("ours_matched", "ours_default", "ours_plain"):
@@ -397,8 +489,10 @@ def main(argv=None) -> dict:
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     write_section(Path(args.markdown), markdown(result))
     for size, runs in results.items():
-        print(f"{size}: TRL / ours (matched) = {runs['ours_matched']['speedup_vs_trl']:.2f}x, "
-              f"TRL / ours (default) = {runs['ours_default']['speedup_vs_trl']:.2f}x")
+        print(
+            f"{size}: TRL / ours (matched) = {runs['ours_matched']['speedup_vs_trl']:.2f}x, "
+            f"TRL / ours (default) = {runs['ours_default']['speedup_vs_trl']:.2f}x"
+        )
     return result
 
 

@@ -1,7 +1,7 @@
 """Validate the GPU path in one command (about 8 minutes on one H100) and write docs/gpu_validation.md.
 
-    HF_HUB_OFFLINE=1 python scripts/gpu_check.py            # real-size random models on CUDA
-    python scripts/gpu_check.py --tiny --out /tmp/gpu.md    # the same code with tiny models on CPU
+HF_HUB_OFFLINE=1 python scripts/gpu_check.py            # real-size random models on CUDA
+python scripts/gpu_check.py --tiny --out /tmp/gpu.md    # the same code with tiny models on CPU
 """
 
 import sys

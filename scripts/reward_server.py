@@ -42,19 +42,30 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--scorer", required=True, help="registered scorer name, e.g. brightness, pickscore")
     parser.add_argument("--config", help="scorer settings as a JSON object")
-    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                        help="one scorer setting (repeatable; wins over --config)")
+    parser.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one scorer setting (repeatable; wins over --config)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
     parser.add_argument("--port", type=int, default=8123, help="port (0 picks a free one)")
     parser.add_argument("--max-body-mb", type=int, default=512, help="largest accepted request body")
-    parser.add_argument("--max-megapixels", type=float, default=16.8,
-                        help="largest image, in millions of pixels, read from the PNG header (413 above it)")
+    parser.add_argument(
+        "--max-megapixels",
+        type=float,
+        default=16.8,
+        help="largest image, in millions of pixels, read from the PNG header (413 above it)",
+    )
     parser.add_argument("--header-timeout", type=float, default=10.0, help="seconds for request line + headers")
     parser.add_argument("--body-timeout", type=float, default=120.0, help="seconds for a whole request body")
     parser.add_argument("--idle-timeout", type=float, default=30.0, help="seconds of silence before closing")
     parser.add_argument("--max-connections", type=int, default=64, help="open connections (503 above it)")
-    parser.add_argument("--token", default=None,
-                        help="require `Authorization: Bearer TOKEN` (default: $FLOWGRPO_REWARD_TOKEN if set)")
+    parser.add_argument(
+        "--token", default=None, help="require `Authorization: Bearer TOKEN` (default: $FLOWGRPO_REWARD_TOKEN if set)"
+    )
     parser.add_argument("--verbose", action="store_true", help="log every request")
     args = parser.parse_args(argv)
     token = args.token or os.environ.get("FLOWGRPO_REWARD_TOKEN") or None
@@ -68,13 +79,20 @@ def main(argv: list[str] | None = None) -> int:
     from reward_models.registry import build_scorer
     from reward_models.serving import ServerLimits, make_server
 
-    limits = ServerLimits(max_body_bytes=args.max_body_mb * 2**20, max_pixels=int(args.max_megapixels * 1e6),
-                          header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
-                          idle_timeout_s=args.idle_timeout, max_connections=args.max_connections)
+    limits = ServerLimits(
+        max_body_bytes=args.max_body_mb * 2**20,
+        max_pixels=int(args.max_megapixels * 1e6),
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        idle_timeout_s=args.idle_timeout,
+        max_connections=args.max_connections,
+    )
     scorer = build_scorer({"name": args.scorer, **parse_settings(args.config, args.sets)})
     server = make_server(scorer, args.host, args.port, limits=limits, token=token, verbose=args.verbose)
-    print(f"serving {args.scorer} (key {scorer.key}) on {server.url}"
-          f"{' (bearer token required)' if token else ''}", flush=True)
+    print(
+        f"serving {args.scorer} (key {scorer.key}) on {server.url}{' (bearer token required)' if token else ''}",
+        flush=True,
+    )
     try:
         server.serve_forever()
     except KeyboardInterrupt:

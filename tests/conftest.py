@@ -43,9 +43,16 @@ def launch_ranks():
         port = _free_port()
         procs = []
         for rank in range(world):
-            env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(root), "WORLD_SIZE": str(world),
-                   "RANK": str(rank), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(port)}
+            env = {
+                **os.environ,
+                "HF_HUB_OFFLINE": "1",
+                "PYTHONPATH": str(root),
+                "WORLD_SIZE": str(world),
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            }
             cmd = [sys.executable, str(root / "scripts" / script), *args]
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
         results = []

@@ -20,8 +20,7 @@ def test_overrides_parse_yaml_values_and_nest():
     apply_override(data, "loss.bounds.eps=0.1")
     apply_override(data, "steps=[1, 2]")
     apply_override(data, "flag=true")
-    assert data == {"lr": 1e-4, "loss": {"bounds": {"name": "symmetric", "eps": 0.1}},
-                    "steps": [1, 2], "flag": True}
+    assert data == {"lr": 1e-4, "loss": {"bounds": {"name": "symmetric", "eps": 0.1}}, "steps": [1, 2], "flag": True}
 
 
 @pytest.mark.parametrize("bad", ["novalue", "a..b=1", "=3"])
@@ -86,8 +85,11 @@ def test_metrics_writer_round_trip(tmp_path):
 
 
 def _demo(tmp_path, **over):
-    cfg = load_config(DemoConfig, overrides=[f"{k}={v}" for k, v in over.items()] +
-                      [f"output_dir={tmp_path}", "progress=false"], defaults=DEFAULTS)
+    cfg = load_config(
+        DemoConfig,
+        overrides=[f"{k}={v}" for k, v in over.items()] + [f"output_dir={tmp_path}", "progress=false"],
+        defaults=DEFAULTS,
+    )
     return run_demo(cfg)
 
 
@@ -120,8 +122,10 @@ def test_cli_demo_and_list(tmp_path, capsys):
 
 
 def test_import_flowgrpo_stays_light():
-    code = ("import sys, flowgrpo, flowgrpo.core, flowgrpo.config; "
-            "heavy = [m for m in ('diffusers', 'transformers', 'accelerate', 'peft') if m in sys.modules]; "
-            "print(json.dumps(heavy))")
+    code = (
+        "import sys, flowgrpo, flowgrpo.core, flowgrpo.config; "
+        "heavy = [m for m in ('diffusers', 'transformers', 'accelerate', 'peft') if m in sys.modules]; "
+        "print(json.dumps(heavy))"
+    )
     out = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == []

@@ -10,17 +10,38 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "gpu_validation.md"
-NOT_ON_CPU = {"peak memory GiB", "peak memory GiB (train step)", "1-edge peak memory GiB, checkpointed",
-              "1-edge peak memory GiB, not checkpointed"}  # no allocator statistics on CPU
+NOT_ON_CPU = {
+    "peak memory GiB",
+    "peak memory GiB (train step)",
+    "1-edge peak memory GiB, checkpointed",
+    "1-edge peak memory GiB, not checkpointed",
+}  # no allocator statistics on CPU
 
 
 def test_tiny_gpu_check_end_to_end(tmp_path):
     before = DOCS.read_bytes() if DOCS.exists() else None
     out = tmp_path / "report.md"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--tiny", "--device", "cpu",
-                           "--out", str(out), "--peak-tflops", "1.0", "--threads", "1"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "gpu_check.py"),
+            "--tiny",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+            "--peak-tflops",
+            "1.0",
+            "--threads",
+            "1",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.with_suffix(".json").read_text())
     assert (DOCS.read_bytes() if DOCS.exists() else None) == before  # the committed report is left alone
@@ -40,8 +61,14 @@ def test_tiny_gpu_check_end_to_end(tmp_path):
             if name.startswith("ratio |r - 1|"):
                 assert value <= 1e-4, (sec["title"], name, value)  # on-policy ratio 1 in bf16
     sd35 = next(s for s in ran if "SD3.5" in s["title"])["figures"]
-    for key in ("diffusers pipeline images/s", "ours images/s", "ours / diffusers images/s (ratio)",
-                "MFU rollout ours", "MFU train step", "compiled / eager images/s (ratio)"):
+    for key in (
+        "diffusers pipeline images/s",
+        "ours images/s",
+        "ours / diffusers images/s (ratio)",
+        "MFU rollout ours",
+        "MFU train step",
+        "compiled / eager images/s (ratio)",
+    ):
         assert sd35[key] > 0, key
     assert sd35["rollout TFLOP (counted, ours)"] > 0 and sd35["decoded images finite (1 = yes)"] == 1.0
     vllm = next(s for s in report["sections"] if s["title"].endswith("vllm"))
@@ -58,8 +85,10 @@ def test_real_size_models_fit_together_on_the_meta_device():
 
     from flowgrpo.gpu_check import models
 
-    for build, n_text, params, cfg_mode in ((models.sd35_medium, 333, 2.2, "full"),
-                                            (models.flux_dev, 512, 11.9, "none")):
+    for build, n_text, params, cfg_mode in (
+        (models.sd35_medium, 333, 2.2, "full"),
+        (models.flux_dev, 512, 11.9, "none"),
+    ):
         adapter = build(models.FULL, "meta", torch.bfloat16)
         assert abs(sum(p.numel() for p in adapter.denoiser.parameters()) / 1e9 - params) < 0.1
         adapter.add_lora(rank=32)

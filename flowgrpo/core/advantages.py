@@ -105,13 +105,18 @@ def ngrpo(batch: GroupBatch, *, max_reward: float = 1.0, num_virtual: int = 1, e
     total = torch.where(ok, r, torch.zeros_like(r)).sum(1, keepdim=True) + num_virtual * max_reward
     m = n + num_virtual
     mean = total / m
-    sq = torch.where(ok, (r - mean) ** 2, torch.zeros_like(r)).sum(1, keepdim=True) + num_virtual * (max_reward - mean) ** 2
+    sq = (
+        torch.where(ok, (r - mean) ** 2, torch.zeros_like(r)).sum(1, keepdim=True)
+        + num_virtual * (max_reward - mean) ** 2
+    )
     std = (sq / (m - 1).clamp_min(1)).sqrt()
     return _sample_result((r - mean) / (std + eps), ok, batch)
 
 
 @ESTIMATORS.register("dgpo")
-def dgpo(batch: GroupBatch, *, eps: float = 1e-4, question_weights: bool = True, temperature: float = 2.0) -> AdvantageResult:
+def dgpo(
+    batch: GroupBatch, *, eps: float = 1e-4, question_weights: bool = True, temperature: float = 2.0
+) -> AdvantageResult:
     """DGPO: A = n (r - mean) / (sum |r - mean| + eps), times softmax(-accuracy / T) difficulty weights.
 
     The weights run over groups with non-zero spread and average 1 over them; accuracy is the group
@@ -216,8 +221,12 @@ def win_rate(batch: GroupBatch, *, eps: float = 1e-8, unbiased: bool = True) -> 
     rate = wins / (n - 1).clamp_min(1)
     ok = batch.mask & (n >= 2)
     result = _sample_result(zscore(rate, ok, dim=1, eps=eps, unbiased=unbiased), ok, batch)
-    result.metrics.update({"win_rate/unreadable_pairs": float(unreadable.sum()) / 2,
-                           "win_rate/mean": float(rate[ok].mean()) if bool(ok.any()) else 0.0})
+    result.metrics.update(
+        {
+            "win_rate/unreadable_pairs": float(unreadable.sum()) / 2,
+            "win_rate/mean": float(rate[ok].mean()) if bool(ok.any()) else 0.0,
+        }
+    )
     return result
 
 
@@ -245,8 +254,15 @@ def sibling(batch: GroupBatch, *, eps: float = 1e-4, unbiased: bool = False) -> 
 
 
 @ESTIMATORS.register("turning_point", requires=("step_rewards",), plan="probes", final_reward_step=True)
-def turning_point(batch: GroupBatch, *, eta: float = 1.0, balance: bool = True, balance_by: str = "trend",
-                  eps: float = 1e-4, unbiased: bool = False) -> AdvantageResult:
+def turning_point(
+    batch: GroupBatch,
+    *,
+    eta: float = 1.0,
+    balance: bool = True,
+    balance_by: str = "trend",
+    eps: float = 1e-4,
+    unbiased: bool = False,
+) -> AdvantageResult:
     """TP-GRPO: incremental step rewards, with the aggregated long-term reward at turning points.
 
     step_rewards[p, g, k] for k = 0..T are the rewards of ODE completions along chain g: k = 0 is the
@@ -260,9 +276,9 @@ def turning_point(batch: GroupBatch, *, eta: float = 1.0, balance: bool = True, 
     R, ok_nodes = _step_inputs(batch)
     if R.shape[-1] < 2:
         raise ValueError("step_rewards: turning_point needs T + 1 >= 2 probe rewards per chain")
-    d = R[..., 1:] - R[..., :-1]                       # d_k, k = 1..T
+    d = R[..., 1:] - R[..., :-1]  # d_k, k = 1..T
     final = R[..., -1:]
-    trend = final - R[..., :1]                         # R_sde - R_ode
+    trend = final - R[..., :1]  # R_sde - R_ode
     to_end = torch.sign(d) * torch.sign(final - R[..., 1:])  # does the rest of the chain keep d_k's direction?
     agrees = torch.sign(d) * torch.sign(trend)
     turning = torch.zeros_like(d, dtype=torch.bool)
@@ -270,7 +286,7 @@ def turning_point(batch: GroupBatch, *, eta: float = 1.0, balance: bool = True, 
     turning[..., 1:] = (agrees[..., :-1] < 0) & (agrees[..., 1:] > 0) & (to_end[..., 1:] > 0)
     ok = ok_nodes[..., 1:] & ok_nodes[..., :-1] & ok_nodes[..., -1:] & ok_nodes[..., :1]
     turning &= ok
-    bonus = eta * (final - R[..., :-1])               # B_k = eta (R_sde - R_{k-1})
+    bonus = eta * (final - R[..., :-1])  # B_k = eta (R_sde - R_{k-1})
     dropped = 0
     if balance:
         candidate = (trend.expand_as(d) if balance_by == "trend" else bonus).reshape(-1)
@@ -287,13 +303,21 @@ def turning_point(batch: GroupBatch, *, eta: float = 1.0, balance: bool = True, 
         turning = flat_tp.reshape(turning.shape)
     step_reward = torch.where(turning, bonus, d)
     adv = zscore(step_reward, ok, dim=1, eps=eps, unbiased=unbiased)
-    return _step_result(adv, ok, **{"turning_point/count": float(turning.sum()),
-                                    "turning_point/dropped_by_balance": float(dropped)})
+    return _step_result(
+        adv, ok, **{"turning_point/count": float(turning.sum()), "turning_point/dropped_by_balance": float(dropped)}
+    )
 
 
 @ESTIMATORS.register("value_anchored", requires=("step_rewards",), plan="probes")
-def value_anchored(batch: GroupBatch, *, gamma: float = 0.95, k: float = 0.1, absolute_steps: int = 5,
-                   eps: float = 1e-4, unbiased: bool = False) -> AdvantageResult:
+def value_anchored(
+    batch: GroupBatch,
+    *,
+    gamma: float = 0.95,
+    k: float = 0.1,
+    absolute_steps: int = 5,
+    eps: float = 1e-4,
+    unbiased: bool = False,
+) -> AdvantageResult:
     """VGPO (UNVERIFIED constants and form): discounted step values with a value-anchored absolute term.
 
     step_rewards[p, g, t] is the instant reward of the one-step x0 projection at step t.
@@ -305,9 +329,9 @@ def value_anchored(batch: GroupBatch, *, gamma: float = 0.95, k: float = 0.1, ab
     r = torch.where(ok, r, torch.zeros_like(r))
     T = r.shape[-1]
     t = torch.arange(T, device=r.device)
-    power = (t.unsqueeze(1) - t.unsqueeze(0)).float()          # [k, t] = k - t
+    power = (t.unsqueeze(1) - t.unsqueeze(0)).float()  # [k, t] = k - t
     discount = torch.where(power >= 0, gamma ** power.clamp_min(0), torch.zeros_like(power))
-    Q = r @ discount                                            # [P, G, T]
+    Q = r @ discount  # [P, G, T]
     mean_q = masked_mean(Q, ok, dim=2)
     omega = Q / torch.where(mean_q.abs() > eps, mean_q, torch.full_like(mean_q, eps))
     relative = zscore(Q, ok, dim=1, eps=eps, unbiased=unbiased)
@@ -316,8 +340,15 @@ def value_anchored(batch: GroupBatch, *, gamma: float = 0.95, k: float = 0.1, ab
 
 
 @ESTIMATORS.register("tree_depth", requires=("tree",), plan="tree")
-def tree_depth(batch: GroupBatch, *, fusion: str = "mean", alpha: float = 1.0, eps: float = 1e-8,
-               unbiased: bool = True, min_std: float = 1e-6) -> AdvantageResult:
+def tree_depth(
+    batch: GroupBatch,
+    *,
+    fusion: str = "mean",
+    alpha: float = 1.0,
+    eps: float = 1e-8,
+    unbiased: bool = True,
+    min_std: float = 1e-6,
+) -> AdvantageResult:
     """BranchGRPO: fuse leaf rewards up the tree, then z-score per depth within each tree.
 
     fusion "mean": a node's value is the mean reward of its leaf descendants; "softmax": the
@@ -340,8 +371,12 @@ def tree_depth(batch: GroupBatch, *, fusion: str = "mean", alpha: float = 1.0, e
 
     value = torch.zeros(P * N, device=dev)
     count = torch.zeros(P * N, device=dev)
-    value.index_put_((flat(tree.leaf_index)[leaf_ok.reshape(-1)],), leaf_r.reshape(-1)[leaf_ok.reshape(-1)], accumulate=True)
-    count.index_put_((flat(tree.leaf_index)[leaf_ok.reshape(-1)],), torch.ones(int(leaf_ok.sum()), device=dev), accumulate=True)
+    value.index_put_(
+        (flat(tree.leaf_index)[leaf_ok.reshape(-1)],), leaf_r.reshape(-1)[leaf_ok.reshape(-1)], accumulate=True
+    )
+    count.index_put_(
+        (flat(tree.leaf_index)[leaf_ok.reshape(-1)],), torch.ones(int(leaf_ok.sum()), device=dev), accumulate=True
+    )
     parent_flat = flat(tree.parent.clamp_min(0))
     depth = tree.depth.reshape(-1)
     node_valid = given(tree.node_valid, "tree.node_valid")
@@ -375,13 +410,19 @@ def tree_depth(batch: GroupBatch, *, fusion: str = "mean", alpha: float = 1.0, e
     okf = node_ok.float()
     n = torch.zeros(n_keys, device=dev).index_add_(0, key, okf)
     mean = torch.zeros(n_keys, device=dev).index_add_(0, key, okf * node_value) / n.clamp_min(1)
-    var = torch.zeros(n_keys, device=dev).index_add_(0, key, okf * (node_value - mean[key]) ** 2) / (n - int(unbiased)).clamp_min(1)
+    var = torch.zeros(n_keys, device=dev).index_add_(0, key, okf * (node_value - mean[key]) ** 2) / (
+        n - int(unbiased)
+    ).clamp_min(1)
     std = var.sqrt()
     spread = (n >= 2) & (std >= min_std)
     adv = torch.where(node_ok & spread[key], (node_value - mean[key]) / (std[key] + eps), torch.zeros_like(node_value))
     weight = (node_ok & child_of).float()
-    return AdvantageResult(adv.reshape(P, N), weight.reshape(P, N), "node",
-                           {"tree/degenerate_depth_frac": float((~spread & (n > 0)).sum() / (n > 0).sum().clamp_min(1))})
+    return AdvantageResult(
+        adv.reshape(P, N),
+        weight.reshape(P, N),
+        "node",
+        {"tree/degenerate_depth_frac": float((~spread & (n > 0)).sum() / (n > 0).sum().clamp_min(1))},
+    )
 
 
 def reward_metrics(batch: GroupBatch) -> dict[str, float]:

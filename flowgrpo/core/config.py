@@ -45,8 +45,10 @@ class PartSpec(BaseModel):
             return {"name": data}
         if isinstance(data, dict) and "settings" not in data:
             own = set(cls.model_fields) - {"settings"}  # subclasses add fields of their own (weight, ...)
-            return {**{k: v for k, v in data.items() if k in own},
-                    "settings": {k: v for k, v in data.items() if k not in own}}
+            return {
+                **{k: v for k, v in data.items() if k in own},
+                "settings": {k: v for k, v in data.items() if k not in own},
+            }
         return data
 
     def check(self, registry: Registry) -> "PartSpec":

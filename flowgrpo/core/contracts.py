@@ -64,14 +64,23 @@ class TreeStructure:
         _check_shape(self.node_valid, "tree.node_valid", [P, N])
         if self.edge_logp is not None:
             _check_shape(self.edge_logp, "tree.edge_logp", [P, N])
-        _require(bool((self.parent < N).all()) and bool((self.parent >= -1).all()),
-                 "tree.parent", f"indices must lie in [-1, {N - 1}]")
-        _require(bool((self.leaf_index >= 0).all()) and bool((self.leaf_index < N).all()),
-                 "tree.leaf_index", f"indices must lie in [0, {N - 1}]")
+        _require(
+            bool((self.parent < N).all()) and bool((self.parent >= -1).all()),
+            "tree.parent",
+            f"indices must lie in [-1, {N - 1}]",
+        )
+        _require(
+            bool((self.leaf_index >= 0).all()) and bool((self.leaf_index < N).all()),
+            "tree.leaf_index",
+            f"indices must lie in [0, {N - 1}]",
+        )
         has_parent = self.parent >= 0
         parent_depth = self.depth.gather(1, self.parent.clamp_min(0))
-        _require(bool((parent_depth[has_parent] + 1 == self.depth[has_parent]).all()),
-                 "tree.depth", "a child's depth must be its parent's depth + 1")
+        _require(
+            bool((parent_depth[has_parent] + 1 == self.depth[has_parent]).all()),
+            "tree.depth",
+            "a child's depth must be its parent's depth + 1",
+        )
 
     @property
     def num_nodes(self) -> int:
@@ -107,15 +116,18 @@ class GroupBatch:
 
     def __post_init__(self) -> None:
         source = next((t for t in (self.rewards, self.step_rewards, self.preferences) if t is not None), None)
-        _require(source is not None, "rewards",
-                 "a GroupBatch needs rewards, step_rewards or preferences")
-        _require(isinstance(source, Tensor) and source.dim() >= 2, "rewards",
-                 "expected a tensor with a [P, G, ...] shape")
+        _require(source is not None, "rewards", "a GroupBatch needs rewards, step_rewards or preferences")
+        _require(
+            isinstance(source, Tensor) and source.dim() >= 2, "rewards", "expected a tensor with a [P, G, ...] shape"
+        )
         source = given(source, "rewards")
         P, G = source.shape[:2]
         if self.rewards is not None:
-            _require(self.rewards.dim() in (2, 3), "rewards",
-                     f"expected shape [P, G] or [P, G, K], got {list(self.rewards.shape)}")
+            _require(
+                self.rewards.dim() in (2, 3),
+                "rewards",
+                f"expected shape [P, G] or [P, G, K], got {list(self.rewards.shape)}",
+            )
             _check_shape(self.rewards, "rewards", [P, G] + ([None] if self.rewards.dim() == 3 else []))
             _require(self.rewards.is_floating_point(), "rewards", "expected a floating-point tensor")
         device = source.device

@@ -66,13 +66,16 @@ class LossInputs:
         if self.advantages.dim() == 1:
             self.advantages = self.advantages.unsqueeze(1)
         if self.advantages.shape not in (shape, (shape[0], 1)):
-            raise ValueError(f"advantages: expected shape [{shape[0]}] or {list(shape)}, got {list(self.advantages.shape)}")
+            raise ValueError(
+                f"advantages: expected shape [{shape[0]}] or {list(shape)}, got {list(self.advantages.shape)}"
+            )
         if self.sample_weight is not None:
             if self.sample_weight.dim() == 1:
                 self.sample_weight = self.sample_weight.unsqueeze(1)
             if self.sample_weight.shape not in (shape, (shape[0], 1)):
-                raise ValueError(f"sample_weight: expected shape [{shape[0]}] or {list(shape)}, "
-                                 f"got {list(self.sample_weight.shape)}")
+                raise ValueError(
+                    f"sample_weight: expected shape [{shape[0]}] or {list(shape)}, got {list(self.sample_weight.shape)}"
+                )
             # weight 0 drops the action entirely: no policy term, no KL, and it is not counted by the normaliser
             self.mask = self.mask & (self.sample_weight != 0).expand(shape)
         for name in ("logp_old", "logp_ref", "entropy", "mean_sqdist_old", "mean_sqdist_ref", "std", "dt"):
@@ -82,8 +85,9 @@ class LossInputs:
 
     def split(self, index: Tensor) -> "LossInputs":
         """The rows `index` of every tensor (a micro-batch)."""
-        return replace(self, **{f.name: getattr(self, f.name)[index] for f in fields(self)
-                                if getattr(self, f.name) is not None})
+        return replace(
+            self, **{f.name: getattr(self, f.name)[index] for f in fields(self) if getattr(self, f.name) is not None}
+        )
 
 
 @dataclass
@@ -112,8 +116,10 @@ class LossNormalizer:
             num_tokens=float(m.sum()),
             num_seqs=float(m.any(1).sum()),
             const_len=const_len if const_len is not None else float(m.shape[1]),  # the full batch's padded length
-            pos_tokens=float(pos.sum()), neg_tokens=float(neg.sum()),
-            pos_seqs=float(pos.any(1).sum()), neg_seqs=float(neg.any(1).sum()),
+            pos_tokens=float(pos.sum()),
+            neg_tokens=float(neg.sum()),
+            pos_seqs=float(pos.any(1).sum()),
+            neg_seqs=float(neg.any(1).sum()),
             std_sum=float(inputs.std[m].sum()) if inputs.std is not None else 0.0,
         )
 
@@ -418,19 +424,32 @@ PRESETS: dict[str, dict[str, Any]] = {
     "bnpo": {"bounds": {"name": "symmetric", "eps": 0.2}, "aggregation": "local_token_mean"},
     "dr_grpo": {"bounds": {"name": "symmetric", "eps": 0.2}, "aggregation": "seq_mean_token_sum_norm"},
     "dapo": {"bounds": {"name": "asymmetric", "eps_low": 0.2, "eps_high": 0.28}, "aggregation": "token_mean"},
-    "gspo": {"ratio": "sequence", "bounds": {"name": "asymmetric", "eps_low": 3e-4, "eps_high": 4e-4},
-             "aggregation": "seq_mean_token_mean"},
+    "gspo": {
+        "ratio": "sequence",
+        "bounds": {"name": "asymmetric", "eps_low": 3e-4, "eps_high": 4e-4},
+        "aggregation": "seq_mean_token_mean",
+    },
     "sapo": {"surrogate": "sapo", "aggregation": "seq_mean_token_mean"},
     # TRL caps the CISPO weight from above only, at epsilon_high = 5: bounds [0, 5]
-    "cispo": {"surrogate": "cispo", "bounds": {"name": "asymmetric", "eps_low": 1.0, "eps_high": 4.0},
-              "aggregation": "token_mean"},
+    "cispo": {
+        "surrogate": "cispo",
+        "bounds": {"name": "asymmetric", "eps_low": 1.0, "eps_high": 4.0},
+        "aggregation": "token_mean",
+    },
     # image policies
     # image policies: Flow-GRPO's KL form (beta / (2 std_dev_t^2), see flow_grpo_kl) at its published betas
-    "flow_grpo": {"bounds": {"name": "symmetric", "eps": 1e-4}, "aggregation": "token_mean",
-                  "kl": {"estimator": "flow_grpo", "coef": 0.0}},
-    "grpo_guard": {"ratio": "ratio_norm", "bounds": {"name": "symmetric", "eps": 1e-4},
-                   "aggregation": "token_mean", "step_weighting": "inv_dt",
-                   "kl": {"estimator": "flow_grpo", "coef": 0.0}},
+    "flow_grpo": {
+        "bounds": {"name": "symmetric", "eps": 1e-4},
+        "aggregation": "token_mean",
+        "kl": {"estimator": "flow_grpo", "coef": 0.0},
+    },
+    "grpo_guard": {
+        "ratio": "ratio_norm",
+        "bounds": {"name": "symmetric", "eps": 1e-4},
+        "aggregation": "token_mean",
+        "step_weighting": "inv_dt",
+        "kl": {"estimator": "flow_grpo", "coef": 0.0},
+    },
 }
 
 

@@ -34,11 +34,7 @@ class Entry:
     def settings(self) -> dict[str, Any]:
         """Keyword-only parameters and their defaults: what a config may set."""
         sig = inspect.signature(self.fn)
-        return {
-            p.name: p.default
-            for p in sig.parameters.values()
-            if p.kind is inspect.Parameter.KEYWORD_ONLY
-        }
+        return {p.name: p.default for p in sig.parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY}
 
     def check_settings(self, settings: Mapping[str, Any], where: str) -> None:
         valid = self.settings
@@ -62,8 +58,9 @@ class Registry:
         self.kind = kind
         self._entries: dict[str, Entry] = {}
 
-    def register(self, name: str, *, requires: Iterable[str] = (), plan: Optional[str] = None,
-                 final_reward_step: bool = False) -> Callable[[F], F]:
+    def register(
+        self, name: str, *, requires: Iterable[str] = (), plan: Optional[str] = None, final_reward_step: bool = False
+    ) -> Callable[[F], F]:
         def decorate(fn: F) -> F:
             if name in self._entries:
                 raise ValueError(f"{self.kind} '{name}' is already registered")
@@ -78,8 +75,7 @@ class Registry:
             return self._entries[name]
         except KeyError:
             raise UnknownNameError(
-                f"unknown {self.kind} '{name}'{_suggest(name, self._entries)}; "
-                f"valid names: {sorted(self._entries)}"
+                f"unknown {self.kind} '{name}'{_suggest(name, self._entries)}; valid names: {sorted(self._entries)}"
             ) from None
 
     def names(self) -> list[str]:

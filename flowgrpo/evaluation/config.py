@@ -41,24 +41,24 @@ class GenerateInput(StrictModel):
     image from the same noise, so a base model and its LoRA are compared image for image.
     """
 
-    model: str                                   # family: sd3 | flux | sd15 | qwenimage
-    pretrained: Optional[str] = None             # a local diffusers pipeline folder or a hub id
-    tiny: bool = False                           # tiny random weights built from configs (tests, demos)
-    lora: Optional[str] = None                   # a folder (or .safetensors file) written by adapter.save_lora
-    prompts: str                                 # prompt set: .txt (one per line) or .jsonl ("prompt" + metadata)
+    model: str  # family: sd3 | flux | sd15 | qwenimage
+    pretrained: Optional[str] = None  # a local diffusers pipeline folder or a hub id
+    tiny: bool = False  # tiny random weights built from configs (tests, demos)
+    lora: Optional[str] = None  # a folder (or .safetensors file) written by adapter.save_lora
+    prompts: str  # prompt set: .txt (one per line) or .jsonl ("prompt" + metadata)
     max_prompts: Optional[int] = Field(default=None, ge=1)
     images_per_prompt: int = Field(default=1, ge=1)
     num_steps: int = Field(default=28, ge=1)
     guidance_scale: float = 4.5
     cfg_mode: Literal["full", "none"] = "full"  # "none" for guidance-distilled models (FLUX dev / schnell)
     solver: Literal["euler", "dpm2m"] = "euler"
-    shift: Optional[float] = None                # None: the model's scheduler config decides
+    shift: Optional[float] = None  # None: the model's scheduler config decides
     height: int = Field(default=512, ge=8)
     width: int = Field(default=512, ge=8)
     seed: int = 0
-    batch_size: int = Field(default=4, ge=1)     # prompts per sampler call (each with images_per_prompt images)
+    batch_size: int = Field(default=4, ge=1)  # prompts per sampler call (each with images_per_prompt images)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: str = "auto"                         # auto | cpu | cuda | cuda:1 ...
+    device: str = "auto"  # auto | cpu | cuda | cuda:1 ...
     model_options: dict[str, Any] = Field(default_factory=dict)  # more build_adapter kw (max_sequence_length, ...)
 
     @model_validator(mode="after")
@@ -78,7 +78,7 @@ class GenerateInput(StrictModel):
 class InputConfig(StrictModel):
     """One set of images to score: exactly one of `images` (a folder) and `generate`."""
 
-    label: Optional[str] = None                  # shown in the report; default: the output folder's name
+    label: Optional[str] = None  # shown in the report; default: the output folder's name
     images: Optional[ImagesInput] = None
     generate: Optional[GenerateInput] = None
 
@@ -119,7 +119,7 @@ class ScorerSpec(PartSpec):
 class ReportConfig(StrictModel):
     enabled: bool = True
     title: Optional[str] = None
-    top_k: int = Field(default=4, ge=0)          # best and worst k images per scorer (and pairs in a comparison)
+    top_k: int = Field(default=4, ge=0)  # best and worst k images per scorer (and pairs in a comparison)
     thumbnail_size: int = Field(default=192, ge=16)  # longest side in pixels; smaller images are kept as they are
     thumbnail_format: Literal["jpeg", "png"] = "jpeg"
     histogram_bins: int = Field(default=20, ge=1)
@@ -135,13 +135,13 @@ class StatsConfig(StrictModel):
 
 class EvalConfig(StrictModel):
     input: InputConfig
-    baseline: Optional[InputConfig] = None       # run A of a comparison, evaluated into <output_dir>/baseline
-    compare: Optional[str] = None                # run A from an earlier evaluation's output folder
+    baseline: Optional[InputConfig] = None  # run A of a comparison, evaluated into <output_dir>/baseline
+    compare: Optional[str] = None  # run A from an earlier evaluation's output folder
     scorers: list[ScorerSpec] = Field(min_length=1)
     score_batch_size: int = Field(default=32, ge=1)  # images loaded and scored together
     output_dir: str = "outputs/eval"
-    overwrite: bool = False                      # allow writing over an earlier run in output_dir
-    progress: bool = True                        # tqdm progress bars
+    overwrite: bool = False  # allow writing over an earlier run in output_dir
+    progress: bool = True  # tqdm progress bars
     report: ReportConfig = Field(default_factory=ReportConfig)
     stats: StatsConfig = Field(default_factory=StatsConfig)
 

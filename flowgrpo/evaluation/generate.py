@@ -76,8 +76,16 @@ def generate_images(cfg: GenerateInput, run_dir: str | Path, progress: bool = Tr
         adapter.check_resolution(cfg.height, cfg.width)
     except ValueError as err:
         raise EvaluationError(f"input.generate: {err}") from None
-    sampler = Sampler(SamplerConfig(num_steps=cfg.num_steps, guidance_scale=cfg.guidance_scale, cfg_mode=cfg.cfg_mode,
-                                    shift=cfg.shift, height=cfg.height, width=cfg.width))
+    sampler = Sampler(
+        SamplerConfig(
+            num_steps=cfg.num_steps,
+            guidance_scale=cfg.guidance_scale,
+            cfg_mode=cfg.cfg_mode,
+            shift=cfg.shift,
+            height=cfg.height,
+            width=cfg.width,
+        )
+    )
     plan = build_plan("ode_only", cfg.num_steps, solver=cfg.solver)
     k = cfg.images_per_prompt
     # (prompt, index) stays unique when a prompt is listed twice: its images are numbered on.
@@ -87,7 +95,7 @@ def generate_images(cfg: GenerateInput, run_dir: str | Path, progress: bool = Tr
     samples: list[Sample] = []
     bar = tqdm(total=len(rows) * k, desc="generate", unit="img", disable=not progress)
     for start in range(0, len(rows), cfg.batch_size):
-        chunk = rows[start:start + cfg.batch_size]
+        chunk = rows[start : start + cfg.batch_size]
         generator = torch.Generator().manual_seed(batch_seed(cfg.seed, start))
         tree = sampler.run(adapter, [r.prompt for r in chunk], plan, k, generator)
         latents = tree.leaf_latents().flatten(0, 1)  # [P*k, C, h, w], prompt-major

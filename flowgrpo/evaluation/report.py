@@ -99,8 +99,11 @@ class Thumbnails:
 
     def figure(self, path: Path, caption: str, title: str = "") -> str:
         uri = self.uri(path)
-        img = (f'<img src="{uri}" alt="{_e(path.name)}" loading="eager">' if uri
-               else f'<div class="missing">missing: {_e(path.name)}</div>')
+        img = (
+            f'<img src="{uri}" alt="{_e(path.name)}" loading="eager">'
+            if uri
+            else f'<div class="missing">missing: {_e(path.name)}</div>'
+        )
         return f'<figure title="{_e(title)}">{img}<figcaption>{caption}</figcaption></figure>'
 
 
@@ -143,42 +146,66 @@ def _ranked(values: np.ndarray, k: int) -> tuple[list[int], list[int]]:
 
 
 def _summary_table(scores: dict[str, dict], confidence: float) -> str:
-    head = (f"<tr><th>score</th><th>mean</th><th>{confidence:.0%} CI</th><th>std</th><th>count</th>"
-            "<th>NaN</th><th>min</th><th>median</th><th>max</th></tr>")
-    rows = [f"<tr><td>{_e(k)}</td><td>{fmt(s['mean'])}</td><td>[{fmt(s['ci_low'])}, {fmt(s['ci_high'])}]</td>"
-            f"<td>{fmt(s['std'])}</td><td>{s['count']}</td><td>{s['nan_count']}</td><td>{fmt(s['min'])}</td>"
-            f"<td>{fmt(s['median'])}</td><td>{fmt(s['max'])}</td></tr>" for k, s in scores.items()]
+    head = (
+        f"<tr><th>score</th><th>mean</th><th>{confidence:.0%} CI</th><th>std</th><th>count</th>"
+        "<th>NaN</th><th>min</th><th>median</th><th>max</th></tr>"
+    )
+    rows = [
+        f"<tr><td>{_e(k)}</td><td>{fmt(s['mean'])}</td><td>[{fmt(s['ci_low'])}, {fmt(s['ci_high'])}]</td>"
+        f"<td>{fmt(s['std'])}</td><td>{s['count']}</td><td>{s['nan_count']}</td><td>{fmt(s['min'])}</td>"
+        f"<td>{fmt(s['median'])}</td><td>{fmt(s['max'])}</td></tr>"
+        for k, s in scores.items()
+    ]
     return f"<table>{head}{''.join(rows)}</table>"
 
 
 def _comparison_tables(comp: dict, confidence: float) -> str:
-    parts = [f'<p class="meta">A = <b>{_e(comp["a"])}</b> ({_e(comp["a_dir"])}), B = <b>{_e(comp["b"])}</b>. '
-             f'Matched by (prompt, index): {comp["matched"]} pairs; {comp["unmatched_a"]} images only in A, '
-             f'{comp["unmatched_b"]} only in B. Win rate = share of pairs where B scores higher (ties 0.5).</p>']
+    parts = [
+        f'<p class="meta">A = <b>{_e(comp["a"])}</b> ({_e(comp["a_dir"])}), B = <b>{_e(comp["b"])}</b>. '
+        f"Matched by (prompt, index): {comp['matched']} pairs; {comp['unmatched_a']} images only in A, "
+        f"{comp['unmatched_b']} only in B. Win rate = share of pairs where B scores higher (ties 0.5).</p>"
+    ]
     if comp["scores"]:
-        head = (f"<tr><th>score</th><th>mean A</th><th>mean B</th><th>mean B−A</th><th>{confidence:.0%} CI of B−A</th>"
-                "<th>win rate B</th><th>pairs</th><th>NaN pairs</th></tr>")
+        head = (
+            f"<tr><th>score</th><th>mean A</th><th>mean B</th><th>mean B−A</th><th>{confidence:.0%} CI of B−A</th>"
+            "<th>win rate B</th><th>pairs</th><th>NaN pairs</th></tr>"
+        )
         rows = []
         for k, c in comp["scores"].items():
             d = c["mean_diff"]
             cls = "up" if isinstance(d, float) and d > 0 else "down" if isinstance(d, float) and d < 0 else ""
-            rows.append(f"<tr><td>{_e(k)}</td><td>{fmt(c['mean_a'])}</td><td>{fmt(c['mean_b'])}</td>"
-                        f"<td class=\"{cls}\">{fmt(d)}</td><td>[{fmt(c['diff_ci_low'])}, {fmt(c['diff_ci_high'])}]</td>"
-                        f"<td>{fmt(c['win_rate'])}</td><td>{c['pairs']}</td><td>{c['nan_pairs']}</td></tr>")
+            rows.append(
+                f"<tr><td>{_e(k)}</td><td>{fmt(c['mean_a'])}</td><td>{fmt(c['mean_b'])}</td>"
+                f'<td class="{cls}">{fmt(d)}</td><td>[{fmt(c["diff_ci_low"])}, {fmt(c["diff_ci_high"])}]</td>'
+                f"<td>{fmt(c['win_rate'])}</td><td>{c['pairs']}</td><td>{c['nan_pairs']}</td></tr>"
+            )
         parts.append(f"<table>{head}{''.join(rows)}</table>")
     if comp.get("pairwise"):
         head = "<tr><th>pairwise scorer</th><th>mean P(B beats A)</th><th>pairs</th><th>NaN pairs</th></tr>"
-        rows = [f"<tr><td>{_e(k)}</td><td>{fmt(c['mean_p_b_beats_a'])}</td><td>{c['pairs']}</td>"
-                f"<td>{c['nan_pairs']}</td></tr>" for k, c in comp["pairwise"].items()]
+        rows = [
+            f"<tr><td>{_e(k)}</td><td>{fmt(c['mean_p_b_beats_a'])}</td><td>{c['pairs']}</td>"
+            f"<td>{c['nan_pairs']}</td></tr>"
+            for k, c in comp["pairwise"].items()
+        ]
         parts.append(f"<table>{head}{''.join(rows)}</table>")
     if comp.get("only_in_a") or comp.get("only_in_b"):
-        parts.append(f'<p class="meta">Scores in one run only (not compared): A {_e(comp.get("only_in_a"))}, '
-                     f'B {_e(comp.get("only_in_b"))}</p>')
+        parts.append(
+            f'<p class="meta">Scores in one run only (not compared): A {_e(comp.get("only_in_a"))}, '
+            f"B {_e(comp.get('only_in_b'))}</p>"
+        )
     return "".join(parts)
 
 
-def _pair_grid(thumbs: Thumbnails, run_a: Run, run_b: Run, ia: np.ndarray, ib: np.ndarray,
-               a: np.ndarray, b: np.ndarray, order: Sequence[int]) -> str:
+def _pair_grid(
+    thumbs: Thumbnails,
+    run_a: Run,
+    run_b: Run,
+    ia: np.ndarray,
+    ib: np.ndarray,
+    a: np.ndarray,
+    b: np.ndarray,
+    order: Sequence[int],
+) -> str:
     boxes = []
     for m in order:
         i, j = int(ia[m]), int(ib[m])
@@ -186,24 +213,35 @@ def _pair_grid(thumbs: Thumbnails, run_a: Run, run_b: Run, ia: np.ndarray, ib: n
         fa = thumbs.figure(run_a.path(i), f'A <span class="score">{fmt(a[m])}</span>', s.prompt)
         fb = thumbs.figure(run_b.path(j), f'B <span class="score">{fmt(b[m])}</span>', s.prompt)
         short = s.prompt if len(s.prompt) <= 110 else s.prompt[:107] + "..."
-        boxes.append(f'<div class="pairbox"><div class="pair">{fa}{fb}</div><div class="cap">B−A '
-                     f'<b>{fmt(b[m] - a[m])}</b> · #{s.index} · {_e(short)}</div></div>')
+        boxes.append(
+            f'<div class="pairbox"><div class="pair">{fa}{fb}</div><div class="cap">B−A '
+            f"<b>{fmt(b[m] - a[m])}</b> · #{s.index} · {_e(short)}</div></div>"
+        )
     return f'<div class="grid">{"".join(boxes)}</div>' if boxes else '<p class="meta">no pairs with finite scores</p>'
 
 
-def build_report(run_b: Run, summary: dict, cfg: ReportConfig, run_a: Optional[Run] = None,
-                 pairs: Optional[tuple[np.ndarray, np.ndarray]] = None, progress: bool = False) -> str:
+def build_report(
+    run_b: Run,
+    summary: dict,
+    cfg: ReportConfig,
+    run_a: Optional[Run] = None,
+    pairs: Optional[tuple[np.ndarray, np.ndarray]] = None,
+    progress: bool = False,
+) -> str:
     """The report of run B (and its comparison with run A when given) as one HTML string."""
     thumbs = Thumbnails(cfg.thumbnail_size, cfg.thumbnail_format)
     confidence = summary["stats"]["confidence"]
     title = cfg.title or f"Evaluation: {run_b.label}"
     comp = summary.get("comparison")
     created = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    body = [f"<h1>{_e(title)}</h1>",
-            f'<p class="meta">{len(run_b.samples)} images · run <b>{_e(run_b.label)}</b> · {_e(summary["source"])} · '
-            f'{created}<br>Intervals: {_e(summary["stats"]["ci_method"])}. std: sample standard deviation (ddof 1). '
-            "NaN = could not score, left out of the statistics.</p>",
-            "<h2>Summary</h2>", _summary_table(summary["scores"], confidence)]
+    body = [
+        f"<h1>{_e(title)}</h1>",
+        f'<p class="meta">{len(run_b.samples)} images · run <b>{_e(run_b.label)}</b> · {_e(summary["source"])} · '
+        f"{created}<br>Intervals: {_e(summary['stats']['ci_method'])}. std: sample standard deviation (ddof 1). "
+        "NaN = could not score, left out of the statistics.</p>",
+        "<h2>Summary</h2>",
+        _summary_table(summary["scores"], confidence),
+    ]
     if comp is not None:
         body += ["<h2>Comparison</h2>", _comparison_tables(comp, confidence)]
     keys = run_b.main_keys
@@ -215,15 +253,23 @@ def build_report(run_b: Run, summary: dict, cfg: ReportConfig, run_a: Optional[R
         if compared:
             series.insert(0, (run_a.label, run_a.scores[key]))
         uri = histogram_uri(series, cfg.histogram_bins, key)
-        body.append(f'<img class="hist" src="{uri}" alt="histogram of {_e(key)}">' if uri
-                    else '<p class="meta">no finite scores</p>')
+        body.append(
+            f'<img class="hist" src="{uri}" alt="histogram of {_e(key)}">'
+            if uri
+            else '<p class="meta">no finite scores</p>'
+        )
         if cfg.top_k:
             best, worst = _ranked(values, cfg.top_k)
             for name, idx in (("Best", best), ("Worst", worst)):
-                figs = [thumbs.figure(run_b.path(i), _caption(values[i], run_b.samples[i].prompt,
-                                                              Path(run_b.samples[i].file).name), run_b.samples[i].prompt)
-                        for i in idx]
-                body.append(f"<h3>{name} {len(idx)}</h3><div class=\"grid\">{''.join(figs)}</div>")
+                figs = [
+                    thumbs.figure(
+                        run_b.path(i),
+                        _caption(values[i], run_b.samples[i].prompt, Path(run_b.samples[i].file).name),
+                        run_b.samples[i].prompt,
+                    )
+                    for i in idx
+                ]
+                body.append(f'<h3>{name} {len(idx)}</h3><div class="grid">{"".join(figs)}</div>')
         if compared and cfg.top_k:
             ia, ib = pairs
             a, b = run_a.scores[key][ia], values[ib]
@@ -232,6 +278,8 @@ def build_report(run_b: Run, summary: dict, cfg: ReportConfig, run_a: Optional[R
             body.append(_pair_grid(thumbs, run_a, run_b, ia, ib, a, b, gain))
             body.append("<h3>Largest losses of B against A</h3>")
             body.append(_pair_grid(thumbs, run_a, run_b, ia, ib, a, b, loss))
-    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>{_e(title)}</title><style>:root {{ --thumb: {cfg.thumbnail_size}px; }}{_CSS}</style></head>"
-            f"<body>{''.join(body)}<script>{_SCRIPT}</script></body></html>\n")
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f"<title>{_e(title)}</title><style>:root {{ --thumb: {cfg.thumbnail_size}px; }}{_CSS}</style></head>"
+        f"<body>{''.join(body)}<script>{_SCRIPT}</script></body></html>\n"
+    )

@@ -77,8 +77,13 @@ def write_scores(run: Run) -> None:
             writer.writerow([s.file, s.prompt, s.index, *(_csv_value(run.scores[k][i]) for k in keys)])
     with open(run.root / SCORES_JSONL, "w", encoding="utf-8") as f:
         for i, s in enumerate(run.samples):
-            row = {"file": s.file, "prompt": s.prompt, "index": s.index, "metadata": s.metadata,
-                   "scores": {k: float(run.scores[k][i]) for k in keys}}
+            row = {
+                "file": s.file,
+                "prompt": s.prompt,
+                "index": s.index,
+                "metadata": s.metadata,
+                "scores": {k: float(run.scores[k][i]) for k in keys},
+            }
             f.write(json.dumps(json_safe(row), ensure_ascii=False, allow_nan=False) + "\n")
 
 

@@ -68,45 +68,60 @@ def _numpy(t) -> np.ndarray:
     return t.detach().float().cpu().numpy().astype(np.float64)
 
 
-def score_samples(root: str | Path, samples: Sequence[Sample], scorers: list, batch_size: int = 32,
-                  progress: bool = True, desc: str = "score") -> dict[str, np.ndarray]:
+def score_samples(
+    root: str | Path,
+    samples: Sequence[Sample],
+    scorers: list,
+    batch_size: int = 32,
+    progress: bool = True,
+    desc: str = "score",
+) -> dict[str, np.ndarray]:
     """{output key: float64 [N]} for every pointwise scorer's every output, in scorer order."""
     n = len(samples)
     scores: dict[str, np.ndarray] = {}
     owner: dict[str, int] = {}
     bar = tqdm(total=n, desc=desc, unit="img", disable=not progress)
     for start in range(0, n, batch_size):
-        chunk = samples[start:start + batch_size]
+        chunk = samples[start : start + batch_size]
         images = load_images(root, chunk)
         prompts = [s.prompt for s in chunk]
         metadata = metadata_columns(chunk)
         for i, (spec, scorer) in enumerate(scorers):
             for key, value in scorer(images, prompts, metadata).items():
                 if owner.setdefault(key, i) != i:
-                    raise EvaluationError(f"scorers '{scorers[owner[key]][0].name}' and '{spec.name}' both give "
-                                          f"'{key}'; give one of them a distinct 'key' setting")
+                    raise EvaluationError(
+                        f"scorers '{scorers[owner[key]][0].name}' and '{spec.name}' both give "
+                        f"'{key}'; give one of them a distinct 'key' setting"
+                    )
                 if key not in scores:
                     scores[key] = np.full(n, np.nan)
-                scores[key][start:start + len(chunk)] = _numpy(value)
+                scores[key][start : start + len(chunk)] = _numpy(value)
         bar.update(len(chunk))
     bar.close()
     return scores
 
 
-def score_pairs(root_a: str | Path, samples_a: Sequence[Sample], root_b: str | Path, samples_b: Sequence[Sample],
-                scorers: list, batch_size: int = 32, progress: bool = True) -> dict[str, np.ndarray]:
+def score_pairs(
+    root_a: str | Path,
+    samples_a: Sequence[Sample],
+    root_b: str | Path,
+    samples_b: Sequence[Sample],
+    scorers: list,
+    batch_size: int = 32,
+    progress: bool = True,
+) -> dict[str, np.ndarray]:
     """{pairwise scorer name: float64 [M]}: P(image of B beats image of A) for each matched pair."""
     m = len(samples_a)
     out = {spec.name: np.full(m, np.nan) for spec, _ in scorers}
     bar = tqdm(total=m, desc="compare", unit="pair", disable=not progress or not scorers)
     for start in range(0, m if scorers else 0, batch_size):
-        a, b = samples_a[start:start + batch_size], samples_b[start:start + batch_size]
+        a, b = samples_a[start : start + batch_size], samples_b[start : start + batch_size]
         images_a, images_b = load_images(root_a, a), load_images(root_b, b)
         prompts = [s.prompt for s in b]
         metadata = metadata_columns(b)
         for spec, scorer in scorers:
             p = scorer(images_b, images_a, prompts, metadata)
-            out[spec.name][start:start + len(b)] = _numpy(p)
+            out[spec.name][start : start + len(b)] = _numpy(p)
         bar.update(len(b))
     bar.close()
     return out

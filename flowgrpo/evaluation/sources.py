@@ -105,8 +105,9 @@ def assign_indices(rows: list[PromptRow], where: str) -> list[int]:
 
 def list_images(folder: Path) -> list[Path]:
     """Image files directly in `folder`, sorted by name."""
-    return sorted((p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES),
-                  key=lambda p: p.name)
+    return sorted(
+        (p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES), key=lambda p: p.name
+    )
 
 
 def folder_samples(folder: str | Path, prompts: Optional[str | Path] = None) -> list[Sample]:
@@ -124,8 +125,9 @@ def folder_samples(folder: str | Path, prompts: Optional[str | Path] = None) -> 
     if prompts.suffix.lower() == ".jsonl":
         missing_file = [i for i, r in enumerate(rows) if r.file is None]
         if missing_file:
-            raise EvaluationError(f"{prompts}: every line needs a 'file' for an image folder "
-                                  f"(line {missing_file[0] + 1} has none)")
+            raise EvaluationError(
+                f"{prompts}: every line needs a 'file' for an image folder (line {missing_file[0] + 1} has none)"
+            )
         files = [Path(r.file) if Path(r.file).is_absolute() else folder / r.file for r in rows]
         absent = [str(f) for f in files if not f.is_file()]
         if absent:
@@ -133,9 +135,11 @@ def folder_samples(folder: str | Path, prompts: Optional[str | Path] = None) -> 
     else:
         files = list_images(folder)
         if len(files) != len(rows):
-            raise EvaluationError(f"{prompts} has {len(rows)} prompts but {folder} has {len(files)} images "
-                                  f"({', '.join(IMAGE_SUFFIXES)}); a .txt prompt file needs one line per image "
-                                  "in sorted file-name order")
+            raise EvaluationError(
+                f"{prompts} has {len(rows)} prompts but {folder} has {len(files)} images "
+                f"({', '.join(IMAGE_SUFFIXES)}); a .txt prompt file needs one line per image "
+                "in sorted file-name order"
+            )
     if not rows:
         raise EvaluationError(f"{prompts}: no prompts")
     indices = assign_indices(rows, str(prompts))

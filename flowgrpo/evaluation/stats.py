@@ -36,8 +36,9 @@ def bootstrap_ci(values, confidence: float = 0.95, resamples: int = 2000, seed: 
         return (float(x[0]), float(x[0]))
     rng = np.random.default_rng(seed)
     rows = max(1, _MAX_DRAWS // n)
-    means = np.concatenate([x[rng.integers(0, n, size=(min(rows, resamples - r), n))].mean(axis=1)
-                            for r in range(0, resamples, rows)])
+    means = np.concatenate(
+        [x[rng.integers(0, n, size=(min(rows, resamples - r), n))].mean(axis=1) for r in range(0, resamples, rows)]
+    )
     alpha = (1.0 - confidence) / 2.0
     lo, hi = np.quantile(means, [alpha, 1.0 - alpha])
     return (float(lo), float(hi))
@@ -105,5 +106,8 @@ def describe_preferences(p) -> dict[str, float | int]:
     """A pairwise scorer's P(B beats A) over matched pairs: mean and how many could be scored."""
     p = np.asarray(p, dtype=np.float64)
     x = finite(p)
-    return {"mean_p_b_beats_a": float(x.mean()) if len(x) else float("nan"), "pairs": int(len(x)),
-            "nan_pairs": int(p.size - len(x))}
+    return {
+        "mean_p_b_beats_a": float(x.mean()) if len(x) else float("nan"),
+        "pairs": int(len(x)),
+        "nan_pairs": int(p.size - len(x)),
+    }

@@ -15,9 +15,19 @@ import torch
 # Dense (no 2:4 sparsity) bf16 tensor-core peaks from the vendors' data sheets, TFLOP/s. The first
 # name contained in torch.cuda.get_device_name() wins, so specific names come before general ones.
 PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
-    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("H800", 989.0),
-    ("GH200", 989.0), ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("A10G", 70.0),
-    ("RTX 4090", 165.0), ("RTX 3090", 71.0),
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),
+    ("H200", 989.0),
+    ("H800", 989.0),
+    ("GH200", 989.0),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("L40S", 362.0),
+    ("A10G", 70.0),
+    ("RTX 4090", 165.0),
+    ("RTX 3090", 71.0),
 )
 VERSIONED = ("torch", "diffusers", "transformers", "peft", "accelerate", "xformers", "vllm")
 
@@ -29,10 +39,10 @@ def peak_tflops(name: str) -> Optional[float]:
 
 @dataclass
 class DeviceInfo:
-    device: str            # "cuda" or "cpu"
+    device: str  # "cuda" or "cpu"
     name: str
     peak_tflops: Optional[float]
-    peak_source: str       # "table", "--peak-tflops" or "unknown"
+    peak_source: str  # "table", "--peak-tflops" or "unknown"
     date: str
     versions: dict[str, Optional[str]]
 

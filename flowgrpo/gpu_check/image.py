@@ -27,8 +27,12 @@ from . import models
 from .device import DeviceInfo, peak_memory_gib, reset_peak_memory, timed
 from .report import Section
 
-PROMPTS = ["a photograph of an astronaut riding a horse", "a red bicycle leaning on a blue wall",
-           "a bowl of ramen, studio lighting", "an oil painting of a lighthouse at dusk"]
+PROMPTS = [
+    "a photograph of an astronaut riding a horse",
+    "a red bicycle leaning on a blue wall",
+    "a bowl of ramen, studio lighting",
+    "an oil painting of a lighthouse at dusk",
+]
 
 
 def counted_flops(fn: Callable[[], Any]) -> float:
@@ -100,8 +104,9 @@ class TrainStep:
         return float((logp.float().cpu() - self.batch.logp_old).exp().sub(1).abs().max())
 
 
-def sd35_check(sizes: models.Sizes, info: DeviceInfo, dtype: torch.dtype, speed: SpeedConfig,
-               compile_variant: bool) -> Section:
+def sd35_check(
+    sizes: models.Sizes, info: DeviceInfo, dtype: torch.dtype, speed: SpeedConfig, compile_variant: bool
+) -> Section:
     device = info.device
     sec = Section(models.stand_in(sizes) + "SD3.5-Medium-size transformer: rollout, LoRA step, MFU, on-policy ratio")
     adapter = models.sd35_medium(sizes, device, dtype)
@@ -111,11 +116,19 @@ def sd35_check(sizes: models.Sizes, info: DeviceInfo, dtype: torch.dtype, speed:
     n_params = sum(p.numel() for p in adapter.denoiser.parameters())
     res, steps, P, G = sizes.resolution, sizes.steps, sizes.prompts, sizes.group
     prompts = PROMPTS[:P]
-    sec.settings = {"denoiser parameters (B)": n_params / 1e9, "resolution": res, "steps": steps,
-                    "prompts x group": f"{P} x {G}", "cfg": "full, 4.5", "dtype": str(dtype).removeprefix("torch."),
-                    "lora rank": sizes.lora_rank, "train micro-batch (edges)": sizes.micro_batch}
-    sampler = Sampler(SamplerConfig(num_steps=steps, height=res, width=res, guidance_scale=4.5, cfg_mode="full",
-                                    inference_mode=True))
+    sec.settings = {
+        "denoiser parameters (B)": n_params / 1e9,
+        "resolution": res,
+        "steps": steps,
+        "prompts x group": f"{P} x {G}",
+        "cfg": "full, 4.5",
+        "dtype": str(dtype).removeprefix("torch."),
+        "lora rank": sizes.lora_rank,
+        "train micro-batch (edges)": sizes.micro_batch,
+    }
+    sampler = Sampler(
+        SamplerConfig(num_steps=steps, height=res, width=res, guidance_scale=4.5, cfg_mode="full", inference_mode=True)
+    )
     plan = build_plan("full_sde", steps)
 
     def ours():
@@ -124,35 +137,54 @@ def sd35_check(sizes: models.Sizes, info: DeviceInfo, dtype: torch.dtype, speed:
             return tree, adapter.decode(tree.leaf_latents().flatten(0, 1))
 
     def diffusers_loop():
-        return adapter.pipe(prompt=prompts, num_images_per_prompt=G, num_inference_steps=steps, guidance_scale=4.5,
-                            height=res, width=res, output_type="pt", generator=torch.Generator().manual_seed(0),
-                            max_sequence_length=adapter.max_sequence_length).images
+        return adapter.pipe(
+            prompt=prompts,
+            num_images_per_prompt=G,
+            num_inference_steps=steps,
+            guidance_scale=4.5,
+            height=res,
+            width=res,
+            output_type="pt",
+            generator=torch.Generator().manual_seed(0),
+            max_sequence_length=adapter.max_sequence_length,
+        ).images
 
     adapter.pipe.set_progress_bar_config(disable=True)  # no terminal output inside the timed loop
     images = P * G
     t_pipe = median_seconds(diffusers_loop, device, sizes.repeats)  # before any compile: the plain pipeline
     t_ours = median_seconds(ours, device, sizes.repeats)
     f_pipe, f_ours = counted_flops(diffusers_loop), counted_flops(ours)
-    sec.figures.update({
-        "diffusers pipeline images/s": images / t_pipe, "ours images/s": images / t_ours,
-        "ours / diffusers images/s (ratio)": t_pipe / t_ours,
-        "rollout TFLOP (counted, ours)": f_ours / 1e12, "rollout TFLOP (counted, diffusers)": f_pipe / 1e12,
-        "MFU rollout ours": mfu(f_ours, t_ours, info), "MFU rollout diffusers": mfu(f_pipe, t_pipe, info)})
+    sec.figures.update(
+        {
+            "diffusers pipeline images/s": images / t_pipe,
+            "ours images/s": images / t_ours,
+            "ours / diffusers images/s (ratio)": t_pipe / t_ours,
+            "rollout TFLOP (counted, ours)": f_ours / 1e12,
+            "rollout TFLOP (counted, diffusers)": f_pipe / 1e12,
+            "MFU rollout ours": mfu(f_ours, t_ours, info),
+            "MFU rollout diffusers": mfu(f_pipe, t_pipe, info),
+        }
+    )
 
     tree, decoded = ours()
     sec.figures["decoded images finite (1 = yes)"] = float(bool(torch.isfinite(decoded).all()))
     sec.figures["ratio |r - 1| max, all trained edges (no grad)"] = ratio_deviation(
-        sampler, adapter, tree, prompts, sizes.micro_batch)
+        sampler, adapter, tree, prompts, sizes.micro_batch
+    )
     step = TrainStep(sampler, adapter, params, tree, prompts, sizes.micro_batch)
     sec.figures["ratio |r - 1| max, first micro-batch (with grad)"] = step.first_pass_deviation()
     f_train = counted_flops(step.forward_backward)
     step.optimizer.zero_grad(set_to_none=True)
     reset_peak_memory(device)
     t_train = median_seconds(step, device, sizes.repeats)
-    sec.figures.update({"train step s (micro-batch fwd+bwd + AdamW)": t_train,
-                        "train step TFLOP (counted fwd+bwd)": f_train / 1e12,
-                        "MFU train step": mfu(f_train, t_train, info),
-                        "peak memory GiB (train step)": peak_memory_gib(device)})
+    sec.figures.update(
+        {
+            "train step s (micro-batch fwd+bwd + AdamW)": t_train,
+            "train step TFLOP (counted fwd+bwd)": f_train / 1e12,
+            "MFU train step": mfu(f_train, t_train, info),
+            "peak memory GiB (train step)": peak_memory_gib(device),
+        }
+    )
 
     sec.figures.update(attention_variant(adapter, ours, t_ours, images, info, sizes.repeats, sec.notes))
     if compile_variant:
@@ -163,26 +195,36 @@ def sd35_check(sizes: models.Sizes, info: DeviceInfo, dtype: torch.dtype, speed:
         with timed(device, compile_s):
             tree_c, _ = ours()  # the first call compiles
         t_ours_c = median_seconds(ours, device, sizes.repeats)
-        sec.figures.update({
-            "compile s (first compiled rollout)": compile_s[0], "ours compiled images/s": images / t_ours_c,
-            "compiled / eager images/s (ratio)": t_ours / t_ours_c,
-            "compiled / diffusers images/s (ratio)": t_pipe / t_ours_c, "MFU rollout ours compiled": mfu(f_ours, t_ours_c, info),
-            "ratio |r - 1| max, compiled (no grad)": ratio_deviation(sampler, adapter, tree_c, prompts,
-                                                                      sizes.micro_batch)})
+        sec.figures.update(
+            {
+                "compile s (first compiled rollout)": compile_s[0],
+                "ours compiled images/s": images / t_ours_c,
+                "compiled / eager images/s (ratio)": t_ours / t_ours_c,
+                "compiled / diffusers images/s (ratio)": t_pipe / t_ours_c,
+                "MFU rollout ours compiled": mfu(f_ours, t_ours_c, info),
+                "ratio |r - 1| max, compiled (no grad)": ratio_deviation(
+                    sampler, adapter, tree_c, prompts, sizes.micro_batch
+                ),
+            }
+        )
         step_c = TrainStep(sampler, adapter, params, tree_c, prompts, sizes.micro_batch)
         t_train_c = median_seconds(step_c, device, sizes.repeats)
-        sec.figures.update({"train step s, compiled": t_train_c, "compiled / eager train step (speed ratio)":
-                            t_train / t_train_c})
+        sec.figures.update(
+            {"train step s, compiled": t_train_c, "compiled / eager train step (speed ratio)": t_train / t_train_c}
+        )
         sec.notes.append(f"regional compile: each block compiled on its own, backend {backend}")
     return sec
 
 
-def attention_variant(adapter, rollout: Callable[[], Any], t_native: float, images: int, info: DeviceInfo,
-                      repeats: int, notes: list[str]) -> dict[str, Optional[float]]:
+def attention_variant(
+    adapter, rollout: Callable[[], Any], t_native: float, images: int, info: DeviceInfo, repeats: int, notes: list[str]
+) -> dict[str, Optional[float]]:
     """Our rollout with xformers attention against PyTorch SDPA, when xformers is installed (CUDA)."""
     if importlib.util.find_spec("xformers") is None or not info.device.startswith("cuda"):
-        notes.append("attention: PyTorch SDPA only (xformers variant skipped: "
-                     + ("not installed)" if importlib.util.find_spec("xformers") is None else "needs CUDA)"))
+        notes.append(
+            "attention: PyTorch SDPA only (xformers variant skipped: "
+            + ("not installed)" if importlib.util.find_spec("xformers") is None else "needs CUDA)")
+        )
         return {}
     before = adapter.denoiser.attn_processors
     try:
@@ -203,14 +245,27 @@ def flux_check(sizes: models.Sizes, info: DeviceInfo, dtype: torch.dtype, speed:
     speed = speed.model_copy(update={"gradient_checkpointing": True, "compile": CompileConfig()})
     sec.notes.append(f"speed switches: {apply_speed(adapter, speed)}")
     res, micro = sizes.flux_resolution, sizes.flux_micro_batch
-    sec.settings = {"denoiser parameters (B)": sum(p.numel() for p in adapter.denoiser.parameters()) / 1e9,
-                    "resolution": res, "steps": sizes.flux_steps, "cfg": "none (guidance embedding 3.5)",
-                    "lora rank": sizes.lora_rank, "train micro-batch (edges)": micro}
-    sampler = Sampler(SamplerConfig(num_steps=sizes.flux_steps, height=res, width=res, guidance_scale=3.5,
-                                    cfg_mode="none", inference_mode=True))
+    sec.settings = {
+        "denoiser parameters (B)": sum(p.numel() for p in adapter.denoiser.parameters()) / 1e9,
+        "resolution": res,
+        "steps": sizes.flux_steps,
+        "cfg": "none (guidance embedding 3.5)",
+        "lora rank": sizes.lora_rank,
+        "train micro-batch (edges)": micro,
+    }
+    sampler = Sampler(
+        SamplerConfig(
+            num_steps=sizes.flux_steps, height=res, width=res, guidance_scale=3.5, cfg_mode="none", inference_mode=True
+        )
+    )
     prompts = PROMPTS[:1]
-    tree = sampler.run(adapter, prompts, build_plan("full_sde", sizes.flux_steps), max(2, micro // sizes.flux_steps),
-                       torch.Generator().manual_seed(0))
+    tree = sampler.run(
+        adapter,
+        prompts,
+        build_plan("full_sde", sizes.flux_steps),
+        max(2, micro // sizes.flux_steps),
+        torch.Generator().manual_seed(0),
+    )
     step = TrainStep(sampler, adapter, params, tree, prompts, micro)
     sec.figures["ratio |r - 1| max, first micro-batch (with grad)"] = step.first_pass_deviation()
     reset_peak_memory(device)
@@ -221,10 +276,17 @@ def flux_check(sizes: models.Sizes, info: DeviceInfo, dtype: torch.dtype, speed:
     for on in (True, False):
         (adapter.denoiser.enable_gradient_checkpointing if on else adapter.denoiser.disable_gradient_checkpointing)()
         reset_peak_memory(device)
-        single[on] = (median_seconds(TrainStep(sampler, adapter, params, tree, prompts, 1), device, 1),
-                      peak_memory_gib(device))
-    sec.figures.update({"1-edge step s, checkpointed": single[True][0], "1-edge step s, not checkpointed": single[False][0],
-                        "1-edge peak memory GiB, checkpointed": single[True][1],
-                        "1-edge peak memory GiB, not checkpointed": single[False][1],
-                        "checkpointed / not step time (ratio)": single[True][0] / single[False][0]})
+        single[on] = (
+            median_seconds(TrainStep(sampler, adapter, params, tree, prompts, 1), device, 1),
+            peak_memory_gib(device),
+        )
+    sec.figures.update(
+        {
+            "1-edge step s, checkpointed": single[True][0],
+            "1-edge step s, not checkpointed": single[False][0],
+            "1-edge peak memory GiB, checkpointed": single[True][1],
+            "1-edge peak memory GiB, not checkpointed": single[False][1],
+            "checkpointed / not step time (ratio)": single[True][0] / single[False][0],
+        }
+    )
     return sec

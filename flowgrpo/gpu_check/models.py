@@ -20,14 +20,36 @@ from flowgrpo.scaling.memory import SPECS
 from pipelines.adapters import tiny_parts
 
 # https://huggingface.co/Qwen/Qwen2.5-0.5B/blob/main/config.json
-QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                  num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
-                  rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
-TINY_QWEN = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True)
+QWEN25_05B = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+TINY_QWEN = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=True,
+)
 # SD3's / FLUX.1's VAE (stabilityai/stable-diffusion-3.5-medium and FLUX.1-dev vae/config.json shapes)
-SD3_VAE = dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2, norm_num_groups=32, latent_channels=16,
-               use_quant_conv=False, use_post_quant_conv=False)
+SD3_VAE = dict(
+    block_out_channels=(128, 256, 512, 512),
+    layers_per_block=2,
+    norm_num_groups=32,
+    latent_channels=16,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+)
 
 
 @dataclass(frozen=True)
@@ -41,22 +63,50 @@ class Sizes:
     group: int
     lora_rank: int
     micro_batch: int
-    repeats: int            # timed repetitions after one warm-up
+    repeats: int  # timed repetitions after one warm-up
     flux_resolution: int
     flux_steps: int
     flux_micro_batch: int
     text_prompts: int
     text_group: int
     text_new_tokens: int
-    compile_backend: str    # inductor on a GPU; eager for the tiny CPU run (dynamo graph capture only)
+    compile_backend: str  # inductor on a GPU; eager for the tiny CPU run (dynamo graph capture only)
 
 
-FULL = Sizes(tiny=False, resolution=512, steps=10, prompts=2, group=4, lora_rank=32, micro_batch=8, repeats=3,
-             flux_resolution=512, flux_steps=4, flux_micro_batch=4, text_prompts=4, text_group=8,
-             text_new_tokens=128, compile_backend="inductor")
-TINY = Sizes(tiny=True, resolution=32, steps=3, prompts=1, group=2, lora_rank=4, micro_batch=2, repeats=1,
-             flux_resolution=32, flux_steps=2, flux_micro_batch=2, text_prompts=2, text_group=2,
-             text_new_tokens=6, compile_backend="eager")
+FULL = Sizes(
+    tiny=False,
+    resolution=512,
+    steps=10,
+    prompts=2,
+    group=4,
+    lora_rank=32,
+    micro_batch=8,
+    repeats=3,
+    flux_resolution=512,
+    flux_steps=4,
+    flux_micro_batch=4,
+    text_prompts=4,
+    text_group=8,
+    text_new_tokens=128,
+    compile_backend="inductor",
+)
+TINY = Sizes(
+    tiny=True,
+    resolution=32,
+    steps=3,
+    prompts=1,
+    group=2,
+    lora_rank=4,
+    micro_batch=2,
+    repeats=1,
+    flux_resolution=32,
+    flux_steps=2,
+    flux_micro_batch=2,
+    text_prompts=2,
+    text_group=2,
+    text_new_tokens=6,
+    compile_backend="eager",
+)
 
 
 def stand_in(sizes: Sizes) -> str:
@@ -89,9 +139,16 @@ def _vae(scaling_factor: float, shift_factor: float):
 
     cfg = dict(SD3_VAE)
     n = len(cfg["block_out_channels"])
-    return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * n,
-                         up_block_types=("UpDecoderBlock2D",) * n, sample_size=1024,
-                         scaling_factor=scaling_factor, shift_factor=shift_factor, **cfg)
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * n,
+        up_block_types=("UpDecoderBlock2D",) * n,
+        sample_size=1024,
+        scaling_factor=scaling_factor,
+        shift_factor=shift_factor,
+        **cfg,
+    )
 
 
 def sd35_medium(sizes: Sizes, device: str, dtype: torch.dtype):
@@ -128,9 +185,14 @@ def flux_dev(sizes: Sizes, device: str, dtype: torch.dtype):
     with built_on(device, dtype):
         pipe = FluxPipeline(
             transformer=FluxTransformer2DModel(**spec_config("FLUX.1-dev")),
-            scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
-                                                      max_shift=1.15, base_image_seq_len=256,
-                                                      max_image_seq_len=4096),
+            scheduler=FlowMatchEulerDiscreteScheduler(
+                shift=3.0,
+                use_dynamic_shifting=True,
+                base_shift=0.5,
+                max_shift=1.15,
+                base_image_seq_len=256,
+                max_image_seq_len=4096,
+            ),
             vae=_vae(0.3611, 0.1159),
             text_encoder=tiny_parts.clip_text_model(False, hidden=768, max_len=77),  # pooled 768
             tokenizer=tiny_parts.clip_tokenizer(77),
@@ -149,8 +211,13 @@ def save_qwen(sizes: Sizes, folder: str, dtype: torch.dtype) -> str:
 
     tokenizer = build_tiny_tokenizer()
     dims = dict(TINY_QWEN, vocab_size=len(tokenizer)) if sizes.tiny else QWEN25_05B
-    config = Qwen2Config(**dims, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.eos_token_id, attention_dropout=0.0)
+    config = Qwen2Config(
+        **dims,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+        attention_dropout=0.0,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = Qwen2ForCausalLM(config).to(dtype)

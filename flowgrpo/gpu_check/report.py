@@ -17,15 +17,15 @@ class Section:
     figures: dict[str, Optional[float]] = field(default_factory=dict)  # None: not measurable here (said why)
     settings: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    skipped: Optional[str] = None   # the reason the check did not run
-    error: Optional[str] = None     # the check ran and failed: the one-line error
+    skipped: Optional[str] = None  # the reason the check did not run
+    error: Optional[str] = None  # the check ran and failed: the one-line error
     seconds: float = 0.0
 
 
 @dataclass
 class Report:
     command: str
-    mode: str                       # "full" or "tiny"
+    mode: str  # "full" or "tiny"
     info: DeviceInfo
     sections: list[Section]
     total_seconds: float
@@ -43,7 +43,8 @@ METHOD = (
     "(m x k)(k x n) matmul (convolutions alike), 4 b h s_q s_kv d per attention forward, backward twice "
     "the forward; element-wise work is not counted. MFU = counted FLOPs / (median seconds x dense bf16 "
     "peak). The on-policy ratio re-scores the fresh rollout's trained edges with the weights that sampled "
-    "it: |exp(logp_new - logp_old) - 1| must be <= 1e-4 (the trainers' ratio_check tolerance).")
+    "it: |exp(logp_new - logp_old) - 1| must be <= 1e-4 (the trainers' ratio_check tolerance)."
+)
 
 
 def _fmt(value: Optional[float]) -> str:
@@ -59,19 +60,26 @@ def _fmt(value: Optional[float]) -> str:
 def markdown(report: Report) -> str:
     info = report.info
     lines = [
-        "# GPU validation", "",
+        "# GPU validation",
+        "",
         f"Command: `{report.command}` ({report.mode} mode). Written by flowgrpo/gpu_check; every figure below "
-        "was measured in this one run, side by side.", "",
+        "was measured in this one run, side by side.",
+        "",
         f"- date: {info.date}",
         f"- device: {info.name} ({info.device}); dense bf16 peak: "
         + (f"{info.peak_tflops:g} TFLOP/s ({info.peak_source})" if info.peak_tflops else "unknown (MFU not computed)"),
         "- versions: " + ", ".join(f"{k} {v}" for k, v in info.versions.items() if v),
-        f"- total wall time: {report.total_seconds:.1f} s", "",
-        METHOD, "",
+        f"- total wall time: {report.total_seconds:.1f} s",
+        "",
+        METHOD,
+        "",
     ]
     if report.mode == "tiny":
-        lines += ["**Tiny mode**: tiny random models on a shared CPU. This run checks that the code path works; "
-                  "its timings and ratios of timings measure nothing about a GPU.", ""]
+        lines += [
+            "**Tiny mode**: tiny random models on a shared CPU. This run checks that the code path works; "
+            "its timings and ratios of timings measure nothing about a GPU.",
+            "",
+        ]
     for sec in report.sections:
         lines += [f"## {sec.title}", ""]
         if sec.skipped:
@@ -80,8 +88,11 @@ def markdown(report: Report) -> str:
         if sec.error:
             lines += [f"**FAILED**: {sec.error}", ""]
         if sec.settings:
-            lines += ["Settings: " + "; ".join(f"{k} {_fmt(v) if isinstance(v, float) else v}"
-                                               for k, v in sec.settings.items()), ""]
+            lines += [
+                "Settings: "
+                + "; ".join(f"{k} {_fmt(v) if isinstance(v, float) else v}" for k, v in sec.settings.items()),
+                "",
+            ]
         if sec.figures:
             lines += ["| figure | value |", "|---|---|"]
             lines += [f"| {k.replace('|', chr(92) + '|')} | {_fmt(v)} |" for k, v in sec.figures.items()]

@@ -31,12 +31,18 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="markdown report (JSON written beside it)")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu (tiny only)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="frozen weights (LoRA: fp32)")
-    p.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak, when the device is not in the table")
+    p.add_argument(
+        "--peak-tflops", type=float, default=None, help="dense bf16 peak, when the device is not in the table"
+    )
     p.add_argument("--skip", nargs="*", default=[], choices=CHECKS, help="checks to leave out")
-    p.add_argument("--no-compile", action="store_true", help="leave out the regional-compile variant of the SD3.5 check")
+    p.add_argument(
+        "--no-compile", action="store_true", help="leave out the regional-compile variant of the SD3.5 check"
+    )
     p.add_argument("--attention", default="native", help="diffusers attention backend (native = PyTorch SDPA)")
     p.add_argument("--decode-batch-size", type=int, default=4, help="VAE decode chunk (images)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 on a shared CPU: no stalled barriers)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (1 on a shared CPU: no stalled barriers)"
+    )
     return p.parse_args(argv)
 
 
@@ -49,8 +55,11 @@ def _run(sec_fn: Callable[[], Section], title: str, device: str) -> Section:
         sec = Section(title, error=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
     free(device)  # the check's models are gone once it returns: give their memory back before the next
     sec.seconds = time.perf_counter() - t0
-    print(f"[gpu_check] {sec.title}: {sec.error or sec.skipped or 'done'} ({sec.seconds:.1f} s)", file=sys.stderr,
-          flush=True)
+    print(
+        f"[gpu_check] {sec.title}: {sec.error or sec.skipped or 'done'} ({sec.seconds:.1f} s)",
+        file=sys.stderr,
+        flush=True,
+    )
     return sec
 
 
@@ -59,8 +68,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if not args.tiny and not device.startswith("cuda"):
-        print("gpu_check: no CUDA device here; the real-size check needs one (run with --tiny for the CPU smoke "
-              "run of the same code)", file=sys.stderr)
+        print(
+            "gpu_check: no CUDA device here; the real-size check needs one (run with --tiny for the CPU smoke "
+            "run of the same code)",
+            file=sys.stderr,
+        )
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -71,15 +83,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     start = time.perf_counter()
     sections = []
     if "sd35" not in args.skip:
-        sections.append(_run(lambda: sd35_check(sizes, info, dtype, speed, not args.no_compile), "SD3.5-Medium", device))
+        sections.append(
+            _run(lambda: sd35_check(sizes, info, dtype, speed, not args.no_compile), "SD3.5-Medium", device)
+        )
     if "flux" not in args.skip:
         sections.append(_run(lambda: flux_check(sizes, info, dtype, speed), "FLUX.1-dev", device))
     for backend, key in (("transformers", "text"), ("vllm", "vllm")):
         if key not in args.skip:
             sections.append(_run(lambda b=backend: text_check(sizes, info, dtype, b), f"text ({backend})", device))
     command = "python scripts/gpu_check.py" + "".join(f" {shlex.quote(a)}" for a in (argv or sys.argv[1:]))
-    report = Report(command=command, mode="tiny" if args.tiny else "full", info=info, sections=sections,
-                    total_seconds=time.perf_counter() - start)
+    report = Report(
+        command=command,
+        mode="tiny" if args.tiny else "full",
+        info=info,
+        sections=sections,
+        total_seconds=time.perf_counter() - start,
+    )
     json_path = write(report, args.out)
     print(f"[gpu_check] wrote {args.out} and {json_path} in {report.total_seconds:.0f} s", file=sys.stderr)
     return 1 if any(s.error for s in sections) else 0

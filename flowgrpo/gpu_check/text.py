@@ -19,8 +19,13 @@ from . import models
 from .device import DeviceInfo, peak_memory_gib, reset_peak_memory
 from .report import Section
 
-TIME_KEYS = {"time_step_s": "step s", "time_rollout_s": "generate s", "time_logprob_s": "log-prob s",
-             "time_train_s": "train s", "tokens/per_second_generate": "generated tokens/s"}
+TIME_KEYS = {
+    "time_step_s": "step s",
+    "time_rollout_s": "generate s",
+    "time_logprob_s": "log-prob s",
+    "time_train_s": "train s",
+    "tokens/per_second_generate": "generated tokens/s",
+}
 
 
 def vllm_unavailable(device: str) -> str | None:
@@ -45,18 +50,33 @@ def text_check(sizes: models.Sizes, info: DeviceInfo, dtype: torch.dtype, backen
     with tempfile.TemporaryDirectory(prefix="flowgrpo_gpu_check_") as tmp:
         folder = models.save_qwen(sizes, str(Path(tmp) / "model"), dtype)
         overrides = [
-            f"model.name_or_path={folder}", f"model.dtype={name}", f"model.device={info.device}",
-            "model.lora.enabled=true", "model.lora.r=16", "model.lora.alpha=32",
-            f"generation.backend={backend}", f"generation.prompts_per_step={sizes.text_prompts}",
-            f"generation.group_size={sizes.text_group}", f"generation.max_new_tokens={sizes.text_new_tokens}",
-            "generation.vllm.gpu_memory_utilization=0.3", f"steps={steps}", "progress=false",
-            f"output_dir={Path(tmp) / 'run'}", "checkpoint.save_final_model=false", "seed=0",
+            f"model.name_or_path={folder}",
+            f"model.dtype={name}",
+            f"model.device={info.device}",
+            "model.lora.enabled=true",
+            "model.lora.r=16",
+            "model.lora.alpha=32",
+            f"generation.backend={backend}",
+            f"generation.prompts_per_step={sizes.text_prompts}",
+            f"generation.group_size={sizes.text_group}",
+            f"generation.max_new_tokens={sizes.text_new_tokens}",
+            "generation.vllm.gpu_memory_utilization=0.3",
+            f"steps={steps}",
+            "progress=false",
+            f"output_dir={Path(tmp) / 'run'}",
+            "checkpoint.save_final_model=false",
+            "seed=0",
         ]
         cfg = load_text_config(None, overrides)
-        sec.settings = {"layers x hidden": f"{'tiny' if sizes.tiny else '24 x 896'}", "vocabulary": "151936"
-                        if not sizes.tiny else "259", "prompts x group": f"{sizes.text_prompts} x {sizes.text_group}",
-                        "max new tokens": sizes.text_new_tokens, "dtype": name, "lora": "r16 q/k/v/o",
-                        "loss": cfg.loss.preset}
+        sec.settings = {
+            "layers x hidden": f"{'tiny' if sizes.tiny else '24 x 896'}",
+            "vocabulary": "151936" if not sizes.tiny else "259",
+            "prompts x group": f"{sizes.text_prompts} x {sizes.text_group}",
+            "max new tokens": sizes.text_new_tokens,
+            "dtype": name,
+            "lora": "r16 q/k/v/o",
+            "loss": cfg.loss.preset,
+        }
         reset_peak_memory(info.device)
         records = train_text(cfg)
     timed_records = records[1:]
@@ -66,7 +86,8 @@ def text_check(sizes: models.Sizes, info: DeviceInfo, dtype: torch.dtype, backen
     step_s = sec.figures["step s"]
     sec.figures["sequences/s"] = sizes.text_prompts * sizes.text_group / step_s if step_s else None
     sec.figures["ratio |r - 1| max, first pass (trainer's check)"] = max(
-        (float(r["check/first_pass_ratio_dev"]) for r in records if "check/first_pass_ratio_dev" in r), default=None)
+        (float(r["check/first_pass_ratio_dev"]) for r in records if "check/first_pass_ratio_dev" in r), default=None
+    )
     sec.figures["peak memory GiB"] = peak_memory_gib(info.device)
     sec.notes.append(f"{len(records)} trainer steps; figures are medians of the {len(timed_records)} after the first")
     return sec

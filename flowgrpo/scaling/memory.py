@@ -65,49 +65,107 @@ class ModelSpec:
 
 SPECS: tuple[ModelSpec, ...] = (
     ModelSpec(
-        name="FLUX.1-dev", library="diffusers", class_name="FluxTransformer2DModel",
-        config=dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
-                    num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
-                    guidance_embeds=True, axes_dims_rope=(16, 56, 56)),
+        name="FLUX.1-dev",
+        library="diffusers",
+        class_name="FluxTransformer2DModel",
+        config=dict(
+            patch_size=1,
+            in_channels=64,
+            num_layers=19,
+            num_single_layers=38,
+            attention_head_dim=128,
+            num_attention_heads=24,
+            joint_attention_dim=4096,
+            pooled_projection_dim=768,
+            guidance_embeds=True,
+            axes_dims_rope=(16, 56, 56),
+        ),
         source="https://huggingface.co/black-forest-labs/FLUX.1-dev/blob/main/transformer/config.json",
         block_classes=("FluxTransformerBlock", "FluxSingleTransformerBlock"),
-        lora_rank=128, lora_targets=IMAGE_LORA_TARGETS, tokens=45 * 45 + 512, micro_batch=1,
+        lora_rank=128,
+        lora_targets=IMAGE_LORA_TARGETS,
+        tokens=45 * 45 + 512,
+        micro_batch=1,
         workload="configs/t2i/real/_flux.yaml (the published DanceGRPO / MixGRPO / BranchGRPO runs): 720 px "
-                 "(2025 latent tokens), T5 length 512, micro-batch 1, full fine-tune; LoRA rows: r128 of the "
-                 "<recipe>_lora.yaml variants",
+        "(2025 latent tokens), T5 length 512, micro-batch 1, full fine-tune; LoRA rows: r128 of the "
+        "<recipe>_lora.yaml variants",
     ),
     ModelSpec(
-        name="SD3.5-Medium", library="diffusers", class_name="SD3Transformer2DModel",
-        config=dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24,
-                    attention_head_dim=64, num_attention_heads=24, joint_attention_dim=4096,
-                    caption_projection_dim=1536, pooled_projection_dim=2048, pos_embed_max_size=384,
-                    dual_attention_layers=tuple(range(13)), qk_norm="rms_norm"),
+        name="SD3.5-Medium",
+        library="diffusers",
+        class_name="SD3Transformer2DModel",
+        config=dict(
+            sample_size=128,
+            patch_size=2,
+            in_channels=16,
+            out_channels=16,
+            num_layers=24,
+            attention_head_dim=64,
+            num_attention_heads=24,
+            joint_attention_dim=4096,
+            caption_projection_dim=1536,
+            pooled_projection_dim=2048,
+            pos_embed_max_size=384,
+            dual_attention_layers=tuple(range(13)),
+            qk_norm="rms_norm",
+        ),
         source="https://huggingface.co/stabilityai/stable-diffusion-3.5-medium/blob/main/transformer/config.json",
         block_classes=("JointTransformerBlock",),
-        lora_rank=32, lora_targets=SD35_LORA_TARGETS, tokens=32 * 32 + 77 + 256, micro_batch=16,
+        lora_rank=32,
+        lora_targets=SD35_LORA_TARGETS,
+        tokens=32 * 32 + 77 + 256,
+        micro_batch=16,
         workload="configs/t2i/real/_sd35m.yaml: 512 px (1024 latent tokens), CLIP 77 + T5 256 tokens, LoRA r32 "
-                 "on the `attn.` projections (Flow-GRPO's list), micro-batch 16",
+        "on the `attn.` projections (Flow-GRPO's list), micro-batch 16",
     ),
     ModelSpec(
-        name="Qwen-Image", library="diffusers", class_name="QwenImageTransformer2DModel",
-        config=dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
-                    num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False,
-                    axes_dims_rope=(16, 56, 56)),
+        name="Qwen-Image",
+        library="diffusers",
+        class_name="QwenImageTransformer2DModel",
+        config=dict(
+            patch_size=2,
+            in_channels=64,
+            out_channels=16,
+            num_layers=60,
+            attention_head_dim=128,
+            num_attention_heads=24,
+            joint_attention_dim=3584,
+            guidance_embeds=False,
+            axes_dims_rope=(16, 56, 56),
+        ),
         source="https://huggingface.co/Qwen/Qwen-Image/blob/main/transformer/config.json",
         block_classes=("QwenImageTransformerBlock",),
-        lora_rank=32, lora_targets=IMAGE_LORA_TARGETS, tokens=32 * 32 + 256, micro_batch=8,
+        lora_rank=32,
+        lora_targets=IMAGE_LORA_TARGETS,
+        tokens=32 * 32 + 256,
+        micro_batch=8,
         workload="no shipped recipe: 512 px (1024 latent tokens), LoRA r32, micro-batch 8, 256 prompt tokens",
     ),
     ModelSpec(
-        name="Qwen2.5-7B", library="transformers", class_name="Qwen2ForCausalLM",
-        config=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                    num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=131072,
-                    rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
+        name="Qwen2.5-7B",
+        library="transformers",
+        class_name="Qwen2ForCausalLM",
+        config=dict(
+            vocab_size=152064,
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            max_position_embeddings=131072,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        ),
         source="https://huggingface.co/Qwen/Qwen2.5-7B/blob/main/config.json",
         block_classes=("Qwen2DecoderLayer",),
-        lora_rank=8, lora_targets=TEXT_LORA_TARGETS, tokens=256 + 1024, micro_batch=4, vocab=152064,
+        lora_rank=8,
+        lora_targets=TEXT_LORA_TARGETS,
+        tokens=256 + 1024,
+        micro_batch=4,
+        vocab=152064,
         workload="configs/text/real/qwen2.5-1.5b_math_vllm.yaml scaled to 7B: 256 prompt + 1024 completion "
-                 "tokens, micro-batch 4; LoRA r8 on q/k/v/o (flowgrpo.text.config.LoraConfig defaults)",
+        "tokens, micro-batch 4; LoRA r8 on q/k/v/o (flowgrpo.text.config.LoraConfig defaults)",
     ),
 )
 
@@ -137,8 +195,11 @@ def _matches(name: str, targets: tuple[str, ...]) -> bool:
 
 def lora_parameter_count(model: torch.nn.Module, rank: int, targets: tuple[str, ...]) -> int:
     """Parameters peft's LoRA adds: r (in + out) per targeted nn.Linear (A: r x in, B: out x r)."""
-    return sum(rank * (m.in_features + m.out_features) for name, m in model.named_modules()
-               if isinstance(m, torch.nn.Linear) and _matches(name, targets))
+    return sum(
+        rank * (m.in_features + m.out_features)
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and _matches(name, targets)
+    )
 
 
 @dataclass(frozen=True)
@@ -168,10 +229,17 @@ def model_facts(spec: ModelSpec, model: torch.nn.Module | None = None) -> ModelF
     cfg = spec.config
     hidden = cfg.get("hidden_size") or cfg["num_attention_heads"] * cfg["attention_head_dim"]
     return ModelFacts(
-        name=spec.name, params=params, buffers=sum(b.numel() for b in model.buffers()),
+        name=spec.name,
+        params=params,
+        buffers=sum(b.numel() for b in model.buffers()),
         lora_params=lora_parameter_count(model, spec.lora_rank, spec.lora_targets),
-        blocks=len(blocks), largest_block=max(sizes), root_params=params - sum(sizes), hidden=hidden,
-        tokens=spec.tokens, micro_batch=spec.micro_batch, vocab=spec.vocab,
+        blocks=len(blocks),
+        largest_block=max(sizes),
+        root_params=params - sum(sizes),
+        hidden=hidden,
+        tokens=spec.tokens,
+        micro_batch=spec.micro_batch,
+        vocab=spec.vocab,
     )
 
 
@@ -221,8 +289,9 @@ def memory_row(f: ModelFacts, mode: str, engine: str, world: int) -> MemoryRow:
     else:  # ZeRO-3
         params, grads, optim = 2 * (frozen + trained) / w, 2 * trained / w, 12 * trained / w
         gathered = 2 * 2 * f.largest_block
-    return MemoryRow(f.name, mode, engine, world, params / GiB, grads / GiB, optim / GiB, gathered / GiB,
-                     activation_bytes(f) / GiB)
+    return MemoryRow(
+        f.name, mode, engine, world, params / GiB, grads / GiB, optim / GiB, gathered / GiB, activation_bytes(f) / GiB
+    )
 
 
 def memory_table(facts: list[ModelFacts]) -> list[MemoryRow]:
@@ -230,19 +299,28 @@ def memory_table(facts: list[ModelFacts]) -> list[MemoryRow]:
 
 
 def render_markdown(specs: tuple[ModelSpec, ...], facts: list[ModelFacts], rows: list[MemoryRow]) -> str:
-    out = ["| model | parameters (meta-built) | buffers | LoRA parameters | blocks | hidden | workload |",
-           "|---|---|---|---|---|---|---|"]
+    out = [
+        "| model | parameters (meta-built) | buffers | LoRA parameters | blocks | hidden | workload |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for s, f in zip(specs, facts):
-        out.append(f"| [{f.name}]({s.source}) | {f.params / 1e9:.2f} B | {f.buffers / 1e6:.0f} M | "
-                   f"{f.lora_params / 1e6:.1f} M (r{s.lora_rank}) | {f.blocks} | {f.hidden} | {s.workload} |")
-    out += ["", "GiB per rank. \"fits\": total <= 90 % of 80 GB.", ""]
+        out.append(
+            f"| [{f.name}]({s.source}) | {f.params / 1e9:.2f} B | {f.buffers / 1e6:.0f} M | "
+            f"{f.lora_params / 1e6:.1f} M (r{s.lora_rank}) | {f.blocks} | {f.hidden} | {s.workload} |"
+        )
+    out += ["", 'GiB per rank. "fits": total <= 90 % of 80 GB.', ""]
     for f in facts:
-        out += [f"#### {f.name}", "",
-                "| mode | engine | GPUs | params | grads | optimizer | gathered | activations | total | fits 80 GB |",
-                "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+        out += [
+            f"#### {f.name}",
+            "",
+            "| mode | engine | GPUs | params | grads | optimizer | gathered | activations | total | fits 80 GB |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---|",
+        ]
         for r in (r for r in rows if r.model == f.name):
-            out.append(f"| {r.mode} | {r.engine} | {r.world} | {r.params:.1f} | {r.grads:.1f} | {r.optim:.1f} | "
-                       f"{r.gathered:.1f} | {r.activations:.1f} | {r.total:.1f} | {'yes' if r.fits else 'no'} |")
+            out.append(
+                f"| {r.mode} | {r.engine} | {r.world} | {r.params:.1f} | {r.grads:.1f} | {r.optim:.1f} | "
+                f"{r.gathered:.1f} | {r.activations:.1f} | {r.total:.1f} | {'yes' if r.fits else 'no'} |"
+            )
         out.append("")
     return "\n".join(out)
 

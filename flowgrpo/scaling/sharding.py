@@ -68,15 +68,20 @@ class ShardingConfig:
         with mock.patch.dict(os.environ, env, clear=True):  # the plugin reads os.environ only
             plugin = FullyShardedDataParallelPlugin()
         if plugin.fsdp_version != 2:
-            raise ShardingError(f"flowgrpo shards with FSDP2; the accelerate config says fsdp_version "
-                                f"{plugin.fsdp_version} (set fsdp_config.fsdp_version: 2)")
+            raise ShardingError(
+                f"flowgrpo shards with FSDP2; the accelerate config says fsdp_version "
+                f"{plugin.fsdp_version} (set fsdp_config.fsdp_version: 2)"
+            )
         precision = env.get("ACCELERATE_MIXED_PRECISION", "no")
         if precision not in _DTYPES:
             raise ShardingError(f"mixed_precision '{precision}' is not one of {sorted(_DTYPES)}")
         names = plugin.transformer_cls_names_to_wrap or list(BLOCK_CLASSES)
-        return cls(block_classes=tuple(names), param_dtype=_DTYPES[precision],
-                   reshard_after_forward=bool(plugin.reshard_after_forward),
-                   activation_checkpointing=bool(plugin.activation_checkpointing))
+        return cls(
+            block_classes=tuple(names),
+            param_dtype=_DTYPES[precision],
+            reshard_after_forward=bool(plugin.reshard_after_forward),
+            activation_checkpointing=bool(plugin.activation_checkpointing),
+        )
 
 
 def _mesh(mesh: Any) -> Any:
@@ -112,10 +117,13 @@ def shard_model(model: torch.nn.Module, cfg: ShardingConfig = ShardingConfig(), 
     wanted = set(cfg.block_classes)
     blocks = [(name, m) for name, m in model.named_modules() if type(m).__name__ in wanted]
     if not blocks:
-        present = sorted({type(m).__name__ for m in model.modules() if "Block" in type(m).__name__
-                          or "Layer" in type(m).__name__})
-        raise ShardingError(f"no module of {type(model).__name__} is one of the block classes "
-                            f"{sorted(wanted)}; its block-like classes are {present}")
+        present = sorted(
+            {type(m).__name__ for m in model.modules() if "Block" in type(m).__name__ or "Layer" in type(m).__name__}
+        )
+        raise ShardingError(
+            f"no module of {type(model).__name__} is one of the block classes "
+            f"{sorted(wanted)}; its block-like classes are {present}"
+        )
     if cfg.activation_checkpointing:
         enable_activation_checkpointing(model)
     policy = MixedPrecisionPolicy(param_dtype=cfg.param_dtype, reduce_dtype=cfg.reduce_dtype)
@@ -143,12 +151,14 @@ def _options(trainable_only: bool, full: bool = False) -> Any:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     # strict=False when only trainable weights are saved: the frozen base is not in the checkpoint.
-    return StateDictOptions(ignore_frozen_params=trainable_only, full_state_dict=full, cpu_offload=full,
-                            strict=not trainable_only)
+    return StateDictOptions(
+        ignore_frozen_params=trainable_only, full_state_dict=full, cpu_offload=full, strict=not trainable_only
+    )
 
 
-def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                  trainable_only: bool = False) -> ShardedState:
+def sharded_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, trainable_only: bool = False
+) -> ShardedState:
     """The state to save, or the templates to load into (a fresh optimizer gets zero states first)."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -173,8 +183,12 @@ def _no_dist() -> bool:
     return not (dist.is_available() and dist.is_initialized())
 
 
-def save_sharded(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 trainable_only: bool = False) -> None:
+def save_sharded(
+    path: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    trainable_only: bool = False,
+) -> None:
     """Every rank calls this with the same `path` (a shared folder); each writes its own shards."""
     import torch.distributed.checkpoint as dcp
 
@@ -182,16 +196,21 @@ def save_sharded(path: str | Path, model: torch.nn.Module, optimizer: torch.opti
 
     path = Path(path)
     state = sharded_state(model, optimizer, trainable_only)
-    dcp.save(state.tensors, storage_writer=dcp.HuggingFaceStorageWriter(str(path), save_distributed=True),
-             no_dist=_no_dist())
+    dcp.save(
+        state.tensors, storage_writer=dcp.HuggingFaceStorageWriter(str(path), save_distributed=True), no_dist=_no_dist()
+    )
     if optimizer is not None and (_no_dist() or dist.get_rank() == 0):
         (path / _PARAM_GROUPS).write_text(json.dumps(_to_json(state.param_groups), indent=1))
     if not _no_dist():
         dist.barrier()  # the folder is complete on every rank before anyone renames or reads it
 
 
-def load_sharded(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 trainable_only: bool = False) -> None:
+def load_sharded(
+    path: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    trainable_only: bool = False,
+) -> None:
     """Load a folder written by `save_sharded` on any world size into `model` (and `optimizer`), sharded
     or not: each rank reads the slices of the saved shards that its own shards cover."""
     import torch.distributed.checkpoint as dcp
@@ -213,7 +232,7 @@ def load_sharded(path: str | Path, model: torch.nn.Module, optimizer: torch.opti
         raise ShardingError(f"{path} lacks {len(missing)} tensors this model needs, e.g. {missing[:3]}")
     dcp.load(state.tensors, storage_reader=reader, no_dist=_no_dist())
     options = _options(trainable_only)
-    model_sd = {k[len(_MODEL):]: v for k, v in state.tensors.items() if k.startswith(_MODEL)}
+    model_sd = {k[len(_MODEL) :]: v for k, v in state.tensors.items() if k.startswith(_MODEL)}
     set_model_state_dict(model, model_sd, options=options)
     if optimizer is not None:
         groups_file = path / _PARAM_GROUPS
@@ -223,7 +242,7 @@ def load_sharded(path: str | Path, model: torch.nn.Module, optimizer: torch.opti
         by_param: dict[str, dict[str, torch.Tensor]] = {}
         for key, value in state.tensors.items():
             if key.startswith(_OPTIM):
-                fqn, name = key[len(_OPTIM):].rsplit(".", 1)
+                fqn, name = key[len(_OPTIM) :].rsplit(".", 1)
                 by_param.setdefault(fqn, {})[name] = value
         for group, template in zip(groups, state.param_groups):
             group["params"] = template["params"]  # this model's fqns, in this optimizer's order
@@ -239,8 +258,12 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save_sharded_atomic(target: str | Path, model: torch.nn.Module,
-                        optimizer: torch.optim.Optimizer | None = None, trainable_only: bool = False) -> Path:
+def save_sharded_atomic(
+    target: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    trainable_only: bool = False,
+) -> Path:
     """`save_sharded` into a hidden folder next to `target`, then rank 0 fsyncs it and renames it into
     place: a crash mid-save leaves no half-written `target`. Every rank calls it with the same
     `target`, on a file system all ranks share."""

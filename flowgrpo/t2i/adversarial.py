@@ -53,8 +53,9 @@ def load_reference_folder(folder: str | Path, size: tuple[int, int]) -> torch.Te
     return out
 
 
-def synthetic_references(kind: str, size: tuple[int, int], generator: torch.Generator,
-                         n: int = SYNTHETIC_REFERENCES) -> torch.Tensor:
+def synthetic_references(
+    kind: str, size: tuple[int, int], generator: torch.Generator, n: int = SYNTHETIC_REFERENCES
+) -> torch.Tensor:
     """'bright': pixels uniform in [0.85, 1]; 'dark': uniform in [0, 0.15]; uint8 [n, 3, H, W]."""
     if kind not in ("bright", "dark"):
         raise ConfigError(f"adversarial.reference_generator must be 'bright' or 'dark', got {kind!r}")
@@ -67,11 +68,16 @@ class Discriminator:
     """A trainable reward, its Adam optimizer, the reference images and the D / G schedule."""
 
     def __init__(self, scorer, cfg: AdversarialConfig, size: tuple[int, int], seed: int):
-        missing = [m for m in ("hinge_loss", "trainable_parameters", "state_tensors", "load_state_tensors")
-                   if not callable(getattr(scorer, m, None))]
+        missing = [
+            m
+            for m in ("hinge_loss", "trainable_parameters", "state_tensors", "load_state_tensors")
+            if not callable(getattr(scorer, m, None))
+        ]
         if missing:
-            raise ConfigError(f"adversarial.reward '{cfg.reward}' is the scorer '{getattr(scorer, 'name', scorer)}', "
-                              f"which cannot be trained (no {missing}); use e.g. 'dino_discriminator'")
+            raise ConfigError(
+                f"adversarial.reward '{cfg.reward}' is the scorer '{getattr(scorer, 'name', scorer)}', "
+                f"which cannot be trained (no {missing}); use e.g. 'dino_discriminator'"
+            )
         self.scorer, self.cfg = scorer, cfg
         self.size = (int(size[0]), int(size[1]))
         self.generator = torch.Generator().manual_seed((int(seed) * 1_000_003 + _SEED_SALT) % 2**63)
@@ -120,14 +126,20 @@ class Discriminator:
             self.dist.all_reduce_grads(self.params)  # summed over ranks: average them
             for p in self.params:
                 p.grad.div_(self.dist.world_size)
-        grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.detach().float().norm() for p in self.params
-                                                          if p.grad is not None]))
+        grad_norm = torch.linalg.vector_norm(
+            torch.stack([p.grad.detach().float().norm() for p in self.params if p.grad is not None])
+        )
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.updates += 1
         out = {f"adversarial/{k}": float(v) for k, v in metrics.items()}
-        out.update({"adversarial/d_update": 1, "adversarial/d_steps": self.updates,
-                    "adversarial/d_grad_norm": float(grad_norm)})
+        out.update(
+            {
+                "adversarial/d_update": 1,
+                "adversarial/d_steps": self.updates,
+                "adversarial/d_grad_norm": float(grad_norm),
+            }
+        )
         return out
 
     # --- checkpoint (the optimizer is saved by the trainer through .optimizer) ----------------------
@@ -141,7 +153,7 @@ class Discriminator:
         return out
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        scorer = {k[len("scorer."):]: v for k, v in tensors.items() if k.startswith("scorer.")}
+        scorer = {k[len("scorer.") :]: v for k, v in tensors.items() if k.startswith("scorer.")}
         self.scorer.load_state_tensors(scorer)
         self.generator.set_state(tensors["reference_generator"].cpu().to(torch.uint8))
         self.updates = int(tensors["updates"])
@@ -158,8 +170,12 @@ class AdversarialAlternation(Method):
         super().__init__(trainer)
         self.inner = inner
         cfg = trainer.cfg
-        self.discriminator = Discriminator(trainer.rewards.scorer(cfg.adversarial.reward), cfg.adversarial,
-                                           (cfg.sampler.height, cfg.sampler.width), cfg.seed)
+        self.discriminator = Discriminator(
+            trainer.rewards.scorer(cfg.adversarial.reward),
+            cfg.adversarial,
+            (cfg.sampler.height, cfg.sampler.width),
+            cfg.seed,
+        )
 
     def rollout_policy(self) -> ContextManager[Any]:
         return self.inner.rollout_policy()
@@ -171,8 +187,11 @@ class AdversarialAlternation(Method):
             record["adversarial/policy_update"] = 0
             if t.ema is not None:
                 t.ema.idle_iteration()
-            record.update(assign_credit(rollout.global_tree, rollout.leaf_values, rollout.probe_values,
-                                        rollout.preferences, t.cfg, t.step).metrics)
+            record.update(
+                assign_credit(
+                    rollout.global_tree, rollout.leaf_values, rollout.probe_values, rollout.preferences, t.cfg, t.step
+                ).metrics
+            )
         else:
             self.inner.update(rollout, record)
             record["adversarial/policy_update"] = 1

@@ -28,8 +28,9 @@ def save_grid(images: torch.Tensor, path: Path, cols: int, max_images: int) -> P
 
 
 def to_json(record: dict[str, Any]) -> str:
-    return json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()},
-                      indent=2)
+    return json.dumps(
+        {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}, indent=2
+    )
 
 
 def plot_rewards(metrics_path: Path, out: Path) -> Path:
@@ -45,8 +46,14 @@ def plot_rewards(metrics_path: Path, out: Path) -> Path:
     std = [r.get("reward_std") or 0.0 for r in rows]
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
     ax.plot(it, mean, label="reward_mean", color="C0")
-    ax.fill_between(it, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], color="C0",
-                    alpha=0.2, label="± reward_std")
+    ax.fill_between(
+        it,
+        [m - s for m, s in zip(mean, std)],
+        [m + s for m, s in zip(mean, std)],
+        color="C0",
+        alpha=0.2,
+        label="± reward_std",
+    )
     ax.set_xlabel("iteration")
     ax.set_ylabel("reward")
     ax.grid(alpha=0.3)
@@ -72,12 +79,16 @@ class Trackers:
         if cfg.artifacts.wandb:
             import wandb
 
-            self.wandb = wandb.init(project=cfg.artifacts.wandb_project, config=cfg.model_dump(mode="json"),
-                                    dir=str(out))
+            self.wandb = wandb.init(
+                project=cfg.artifacts.wandb_project, config=cfg.model_dump(mode="json"), dir=str(out)
+            )
 
     def log(self, record: dict[str, Any], step: int) -> None:
-        scalars = {k: float(v) for k, v in record.items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))}
+        scalars = {
+            k: float(v)
+            for k, v in record.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
+        }
         if self.tb is not None:
             for k, v in scalars.items():
                 self.tb.add_scalar(k, v, step)

@@ -32,23 +32,23 @@ SEQUENCE_PARTS = {"sequence", "sequence_token"}
 
 class LoraSettings(StrictModel):
     rank: int = Field(8, ge=1)
-    alpha: Optional[float] = None             # None: = rank
+    alpha: Optional[float] = None  # None: = rank
     init: Literal["gaussian", "default"] = "gaussian"
     target_modules: Optional[list[str]] = None  # None: the family's published targets
 
 
 class ModelConfig(StrictModel):
-    family: str = "sd3"                       # sd3 | flux | sd15 | qwenimage
-    pretrained: Optional[str] = None          # a local diffusers pipeline folder or a hub id
-    tiny: bool = False                        # random tiny weights (tests, CPU demos)
+    family: str = "sd3"  # sd3 | flux | sd15 | qwenimage
+    pretrained: Optional[str] = None  # a local diffusers pipeline folder or a hub id
+    tiny: bool = False  # random tiny weights (tests, CPU demos)
     tiny_options: dict[str, Any] = Field(default_factory=dict)  # qk_norm, guidance_embeds, ...
-    init_seed: int = 0                        # tiny weights depend on this only, not on the run's seed
+    init_seed: int = 0  # tiny weights depend on this only, not on the run's seed
     options: dict[str, Any] = Field(default_factory=dict)  # from_pretrained kw (variant, max_sequence_length ...)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # frozen weights; step maths is always fp32
     device: str = "auto"
     finetune: Literal["lora", "full"] = "lora"
     lora: LoraSettings = Field(default_factory=LoraSettings)
-    init_lora: Optional[str] = None           # start from a saved LoRA folder / file
+    init_lora: Optional[str] = None  # start from a saved LoRA folder / file
     # GPU speed switches (regional compile, attention backend, autocast, CFG forward, chunked decode,
     # gradient checkpointing): pipelines.speed.SpeedConfig, applied by build_policy after LoRA is attached
     speed: SpeedConfig = Field(default_factory=SpeedConfig)
@@ -58,14 +58,16 @@ class ModelConfig(StrictModel):
         if self.tiny == (self.pretrained is not None):
             raise ValueError("model: set exactly one of `pretrained: <path or hub id>` or `tiny: true`")
         if self.finetune == "full" and self.dtype != "float32":
-            raise ValueError("model: full fine-tuning keeps float32 master weights; use dtype float32 "
-                             "(bf16 compute on fp32 weights: speed.autocast bfloat16)")
+            raise ValueError(
+                "model: full fine-tuning keeps float32 master weights; use dtype float32 "
+                "(bf16 compute on fp32 weights: speed.autocast bfloat16)"
+            )
         return self
 
 
 class DataConfig(StrictModel):
-    prompts: Optional[list[str]] = None       # inline prompts, or
-    path: Optional[str] = None                # a .txt (one per line) or .jsonl ({"prompt": ..., metadata})
+    prompts: Optional[list[str]] = None  # inline prompts, or
+    path: Optional[str] = None  # a .txt (one per line) or .jsonl ({"prompt": ..., metadata})
     eval_prompts: Optional[list[str]] = None
     eval_path: Optional[str] = None
     shuffle: bool = True
@@ -93,9 +95,9 @@ class EdgeConfig(StrictModel):
 
     depth_pruning: Optional[list[int]] = None  # BranchGRPO: node depths whose edges are not trained
     depth_pruning_slide_every: Optional[int] = None  # pruned depths move one level up every k iterations
-    width_pruning: Optional[float] = None      # BranchGRPO: keep ratio of the last split's children
+    width_pruning: Optional[float] = None  # BranchGRPO: keep ratio of the last split's children
     width_pruning_mode: Literal[1, 2] = 1
-    drop_zero_advantage: bool = True           # edges with A = 0 add no gradient (unless KL is on)
+    drop_zero_advantage: bool = True  # edges with A = 0 add no gradient (unless KL is on)
     # DanceGRPO / Pref-GRPO: each sample trains its own random int(fraction * n) of the plan's n trained
     # steps (an independent permutation per sample, from seed and iteration); exclude_last drops the
     # last denoising step from n first (DanceGRPO's [:, :-1]).
@@ -104,30 +106,30 @@ class EdgeConfig(StrictModel):
 
 
 class TrainConfig(StrictModel):
-    inner_epochs: int = Field(1, ge=1)        # passes over each rollout batch
-    mini_batches: int = Field(1, ge=1)        # optimizer steps per pass, each with one global normaliser
-    micro_batch_size: int = Field(16, ge=1)   # edges (or NFT samples) per forward / backward
+    inner_epochs: int = Field(1, ge=1)  # passes over each rollout batch
+    mini_batches: int = Field(1, ge=1)  # optimizer steps per pass, each with one global normaliser
+    micro_batch_size: int = Field(16, ge=1)  # edges (or NFT samples) per forward / backward
     shuffle: bool = True
 
 
 class NFTConfig(StrictModel):
     """DiffusionNFT: forward-process objective against an old policy kept as a second LoRA adapter."""
 
-    beta: float = Field(1.0, gt=0)            # implicit-policy step (0.1 for OCR / multi-reward)
-    adv_max: float = Field(5.0, gt=0)         # A -> r = clip(A / adv_max / 2 + 0.5, 0, 1)
+    beta: float = Field(1.0, gt=0)  # implicit-policy step (0.1 for OCR / multi-reward)
+    adv_max: float = Field(5.0, gt=0)  # A -> r = clip(A / adv_max / 2 + 0.5, 0, 1)
     timestep_fraction: float = Field(0.99, gt=0, le=1)
     decay: Literal["on_policy", "linear", "delayed"] = "linear"  # old <- lambda old + (1 - lambda) new
-    kl_coef: float = 0.0                      # beta_KL * |v - v_ref|^2 (0.0001 in the release)
+    kl_coef: float = 0.0  # beta_KL * |v - v_ref|^2 (0.0001 in the release)
 
 
 class AdversarialConfig(StrictModel):
     """Adv-GRPO: a discriminator reward trained alongside the policy, reference images as positives."""
 
     enabled: bool = False
-    reward: str = "discriminator"             # the `rewards[].alias or name` that is trained
-    references: Optional[str] = None          # folder of reference images (all prompts), or
+    reward: str = "discriminator"  # the `rewards[].alias or name` that is trained
+    references: Optional[str] = None  # folder of reference images (all prompts), or
     reference_generator: Optional[Literal["bright", "dark"]] = None  # synthetic references (tests, demos)
-    d_times: int = Field(10, ge=2)            # D updates on iterations with (it + 1) % d_times != 0
+    d_times: int = Field(10, ge=2)  # D updates on iterations with (it + 1) % d_times != 0
     lr: float = 1e-4
     betas: tuple[float, float] = (0.5, 0.999)
 
@@ -139,28 +141,28 @@ class AdversarialConfig(StrictModel):
 
 
 class EvalConfig(StrictModel):
-    every: int = Field(0, ge=0)               # iterations between evaluations; 0 = off
-    num_steps: Optional[int] = None           # ODE steps (default: the sampler's)
+    every: int = Field(0, ge=0)  # iterations between evaluations; 0 = off
+    num_steps: Optional[int] = None  # ODE steps (default: the sampler's)
     images_per_prompt: int = Field(1, ge=1)
     use_ema: bool = True
-    seed: int = 1234                          # the same noise at every evaluation
+    seed: int = 1234  # the same noise at every evaluation
 
 
 class ArtifactsConfig(StrictModel):
-    grid_every: int = Field(0, ge=0)          # sample grids of the rollout every k iterations (0: first and last)
+    grid_every: int = Field(0, ge=0)  # sample grids of the rollout every k iterations (0: first and last)
     grid_images: int = Field(16, ge=1)
-    plot: bool = True                         # reward_curve.png at the end
+    plot: bool = True  # reward_curve.png at the end
     tensorboard: bool = True
     wandb: bool = False
     wandb_project: str = "flowgrpo"
-    save_lora: bool = True                    # final LoRA in diffusers format (load_lora_weights reads it)
+    save_lora: bool = True  # final LoRA in diffusers format (load_lora_weights reads it)
 
 
 class T2IConfig(StrictModel):
     seed: int = 0
     output_dir: str = "outputs/t2i"
     iterations: int = Field(20, ge=0)
-    stop_after: Optional[int] = None          # stop here as if interrupted; resume continues to `iterations`
+    stop_after: Optional[int] = None  # stop here as if interrupted; resume continues to `iterations`
     method: Literal["grpo", "nft"] = "grpo"
     model: ModelConfig = Field(default_factory=lambda: ModelConfig(tiny=True))
     data: DataConfig = Field(default_factory=lambda: DataConfig(prompts=["a photo of a cat"]))
@@ -168,7 +170,7 @@ class T2IConfig(StrictModel):
     plan: PartSpec = Field(default_factory=lambda: PartSpec(name="full_sde"))
     group_size: int = Field(8, ge=2)
     prompts_per_iteration: int = Field(2, ge=1)
-    rollout_prompts: int = Field(1, ge=1)     # prompts per rollout batch (its rewards overlap the next batch)
+    rollout_prompts: int = Field(1, ge=1)  # prompts per rollout batch (its rewards overlap the next batch)
     rewards: list[RewardConfig] = Field(default_factory=lambda: [RewardConfig(name="brightness")])
     reward_workers: int = Field(2, ge=1)
     advantage: AdvantageConfig = Field(default_factory=lambda: AdvantageConfig(**DEFAULTS["advantage"]))
@@ -201,8 +203,10 @@ class T2IConfig(StrictModel):
         if dup:
             raise ValueError(f"rewards: duplicate names {dup}; give each an `alias`")
         if self.prompts_per_iteration % self.rollout_prompts:
-            raise ValueError(f"prompts_per_iteration ({self.prompts_per_iteration}) must be a multiple of "
-                             f"rollout_prompts ({self.rollout_prompts})")
+            raise ValueError(
+                f"prompts_per_iteration ({self.prompts_per_iteration}) must be a multiple of "
+                f"rollout_prompts ({self.rollout_prompts})"
+            )
         est = self.advantage.estimator.name
         plan = self.plan.name
         needs = ESTIMATORS.get(est)  # the plan an estimator reads is declared where it is registered
@@ -212,24 +216,30 @@ class T2IConfig(StrictModel):
         readers = [n for n in ESTIMATORS.names() if ESTIMATORS.get(n).plan == plan]
         if readers and needs.plan != plan and self.method == "grpo":
             kind = "node-level" if plan == "tree" else "per-step"
-            raise ValueError(f"plan '{plan}' needs the {kind} estimator {' or '.join(map(repr, readers))}, "
-                             f"not '{est}'")
+            raise ValueError(f"plan '{plan}' needs the {kind} estimator {' or '.join(map(repr, readers))}, not '{est}'")
         if (self.edges.depth_pruning or self.edges.width_pruning) and plan != "tree":
             raise ValueError("edges: depth / width pruning are BranchGRPO options for the 'tree' plan")
         if self.plan.settings.get("post_compress") is not None and self.sampler.schedule.name != "time_shift":
-            raise ValueError("plan.post_compress rebuilds the tail of the time_shift grid (MixGRPO-Flash): set "
-                             "sampler.schedule {name: time_shift, shift: ...}")
+            raise ValueError(
+                "plan.post_compress rebuilds the tail of the time_shift grid (MixGRPO-Flash): set "
+                "sampler.schedule {name: time_shift, shift: ...}"
+            )
         if self.edges.exclude_last and self.edges.per_sample_fraction is None:
             raise ValueError("edges.exclude_last belongs to the per-sample step subsets: set per_sample_fraction")
-        if self.edges.per_sample_fraction is not None and (needs.plan or plan not in ("full_sde", "window")
-                                                           or est == "tree_depth" or self.method != "grpo"):
-            raise ValueError("edges.per_sample_fraction picks steps per final sample: it needs method grpo, a "
-                             f"chain plan (full_sde, window) and a sample-level estimator, not plan '{plan}' "
-                             f"with estimator '{est}'")
+        if self.edges.per_sample_fraction is not None and (
+            needs.plan or plan not in ("full_sde", "window") or est == "tree_depth" or self.method != "grpo"
+        ):
+            raise ValueError(
+                "edges.per_sample_fraction picks steps per final sample: it needs method grpo, a "
+                f"chain plan (full_sde, window) and a sample-level estimator, not plan '{plan}' "
+                f"with estimator '{est}'"
+            )
         for part in ("ratio", "aggregation"):
             if getattr(self.loss, part).name in SEQUENCE_PARTS:
-                raise ValueError(f"loss.{part} '{getattr(self.loss, part).name}' treats a row as a sequence of "
-                                 "tokens; image actions are single transitions (use a token-level part)")
+                raise ValueError(
+                    f"loss.{part} '{getattr(self.loss, part).name}' treats a row as a sequence of "
+                    "tokens; image actions are single transitions (use a token-level part)"
+                )
         if self.method == "nft":
             if self.model.finetune != "lora":
                 raise ValueError("method 'nft' keeps the old policy as a second LoRA adapter: finetune must be 'lora'")
@@ -239,8 +249,10 @@ class T2IConfig(StrictModel):
                 raise ValueError("method 'nft' is CFG-free: set sampler.cfg_mode none")
         size = self.sampler.share_noise_size
         if size is not None and plan in ("full_sde", "window", "ode_only") and self.group_size % size:
-            raise ValueError(f"sampler.share_noise_size {size} must divide group_size {self.group_size} "
-                             "(a group is whole blocks that share a noise)")
+            raise ValueError(
+                f"sampler.share_noise_size {size} must divide group_size {self.group_size} "
+                "(a group is whole blocks that share a noise)"
+            )
         if self.ema.count_idle_iterations and not self.adversarial.enabled:
             raise ValueError("ema.count_idle_iterations counts discriminator iterations: it needs adversarial.enabled")
         if self.adversarial.enabled and self.adversarial.reward not in labels:

@@ -23,8 +23,9 @@ def build_policy(cfg: ModelConfig):
     device = resolve_device(cfg.device)
     dtype = DTYPES[cfg.dtype]
     if cfg.tiny:
-        adapter = build_adapter(cfg.family, tiny=True, seed=cfg.init_seed, dtype=dtype, device=device,
-                                **cfg.tiny_options)
+        adapter = build_adapter(
+            cfg.family, tiny=True, seed=cfg.init_seed, dtype=dtype, device=device, **cfg.tiny_options
+        )
     else:
         adapter = build_adapter(cfg.family, pretrained=cfg.pretrained, dtype=dtype, device=device, **cfg.options)
     if cfg.finetune == "full":
@@ -34,8 +35,9 @@ def build_policy(cfg: ModelConfig):
     elif cfg.init_lora:
         params = adapter.load_lora(cfg.init_lora)
     else:
-        params = adapter.add_lora(rank=cfg.lora.rank, alpha=cfg.lora.alpha, init=cfg.lora.init,
-                                  target_modules=cfg.lora.target_modules)
+        params = adapter.add_lora(
+            rank=cfg.lora.rank, alpha=cfg.lora.alpha, init=cfg.lora.init, target_modules=cfg.lora.target_modules
+        )
     apply_speed(adapter, cfg.speed)  # after LoRA: compiled blocks include the LoRA layers
     return adapter, params
 

@@ -35,8 +35,9 @@ def _adaptive_x0_loss(x0_hat: Tensor, x0: Tensor) -> Tensor:
     return (err**2).mean(1) / weight
 
 
-def nft_loss(v_theta: Tensor, v_old: Tensor, x_t: Tensor, x0: Tensor, t: Tensor, r: Tensor, *,
-             beta: float, adv_max: float) -> Tensor:
+def nft_loss(
+    v_theta: Tensor, v_old: Tensor, x_t: Tensor, x0: Tensor, t: Tensor, r: Tensor, *, beta: float, adv_max: float
+) -> Tensor:
     """Per-sample NFT policy loss [B] (fp32). t, r: [B]."""
     v_theta, v_old, x_t, x0 = v_theta.float(), v_old.float(), x_t.float(), x0.float()
     tt = t.float().view(-1, *([1] * (x0.dim() - 1)))
@@ -77,8 +78,9 @@ class NFTMethod(Method):
         super().__init__(trainer)
         lora = trainer.cfg.model.lora
         adapter = trainer.adapter
-        adapter.add_lora(rank=lora.rank, alpha=lora.alpha, init=lora.init, target_modules=lora.target_modules,
-                         adapter_name="old")
+        adapter.add_lora(
+            rank=lora.rank, alpha=lora.alpha, init=lora.init, target_modules=lora.target_modules, adapter_name="old"
+        )
         adapter.denoiser.set_adapter("default")
         for p in trainer.params:
             p.requires_grad_(True)
@@ -107,8 +109,12 @@ class NFTMethod(Method):
         cfg = self.trainer.cfg
         L = rollout.tree.leaves.shape[1]
         values = rollout.leaf_values
-        batch = GroupBatch(rewards=values.view(-1, L, values.shape[-1]), reward_weights=[r.weight for r in cfg.rewards],
-                           reward_names=[r.label for r in cfg.rewards], head_nan_policy=cfg.advantage.head_nan_policy)
+        batch = GroupBatch(
+            rewards=values.view(-1, L, values.shape[-1]),
+            reward_weights=[r.weight for r in cfg.rewards],
+            reward_names=[r.label for r in cfg.rewards],
+            head_nan_policy=cfg.advantage.head_nan_policy,
+        )
         result = compute_advantages(batch, cfg.advantage)
         record.update(result.metrics)
         result = TRANSFORMS.get("nft_optimality").fn(result, batch, adv_clip_max=cfg.nft.adv_max)
@@ -152,8 +158,9 @@ class NFTMethod(Method):
                         v = t.adapter.model_output(x_t, time_, rows, cfg.sampler.guidance_scale, "none")
                         counters.nfe_nograd += micro.numel()
                         counters.nfe_grad += micro.numel()
-                        per = nft_loss(v, v_old, x_t, x_0, time_, opt_r[micro].to(v.device), beta=nft.beta,
-                                       adv_max=nft.adv_max)
+                        per = nft_loss(
+                            v, v_old, x_t, x_0, time_, opt_r[micro].to(v.device), beta=nft.beta, adv_max=nft.adv_max
+                        )
                         loss = per.sum() / total * cfg.train.mini_batches
                         if nft.kl_coef:
                             with torch.no_grad(), t.reference() as ref:
@@ -167,6 +174,11 @@ class NFTMethod(Method):
                 t.optimizer_step()
         decay = old_decay(t.optimizer_step.total, nft.decay)  # optimizer steps so far, as the release's global_step
         soft_update(self.old_params, t.params, decay)
-        record.update({"loss/policy": metrics_sum / max(n_terms, 1), "nft/old_decay": decay,
-                       "backward_passes": backwards,
-                       "nft/mean_r": float(opt_r[keep].mean()) if keep.numel() else math.nan})
+        record.update(
+            {
+                "loss/policy": metrics_sum / max(n_terms, 1),
+                "nft/old_decay": decay,
+                "backward_passes": backwards,
+                "nft/mean_r": float(opt_r[keep].mean()) if keep.numel() else math.nan,
+            }
+        )

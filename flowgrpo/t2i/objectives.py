@@ -28,16 +28,23 @@ class EdgeBatch:
     dt: Tensor
 
     def rows(self, index: Tensor) -> "EdgeBatch":
-        return EdgeBatch(*(getattr(self, f)[index] for f in ("edges", "advantages", "weights", "logp_old", "std", "dt")))
+        return EdgeBatch(
+            *(getattr(self, f)[index] for f in ("edges", "advantages", "weights", "logp_old", "std", "dt"))
+        )
 
     def inputs(self, logp: Optional[Tensor] = None, **extra) -> LossInputs:
         n = self.edges.numel()
         dev = self.advantages.device
-        return LossInputs(logp=(torch.zeros(n, 1, device=dev) if logp is None else logp.view(n, 1)),
-                          logp_old=self.logp_old.view(n, 1), advantages=self.advantages,
-                          mask=torch.ones(n, 1, dtype=torch.bool, device=dev), sample_weight=self.weights,
-                          std=self.std.view(n, 1), dt=self.dt.view(n, 1),
-                          **{k: v.view(n, 1) for k, v in extra.items() if v is not None})
+        return LossInputs(
+            logp=(torch.zeros(n, 1, device=dev) if logp is None else logp.view(n, 1)),
+            logp_old=self.logp_old.view(n, 1),
+            advantages=self.advantages,
+            mask=torch.ones(n, 1, dtype=torch.bool, device=dev),
+            sample_weight=self.weights,
+            std=self.std.view(n, 1),
+            dt=self.dt.view(n, 1),
+            **{k: v.view(n, 1) for k, v in extra.items() if v is not None},
+        )
 
 
 def step_sizes(tree, edges: Tensor) -> Tensor:
@@ -51,8 +58,14 @@ def step_sizes(tree, edges: Tensor) -> Tensor:
 
 
 def edge_batch(tree, edges: Tensor, advantages: Tensor, weights: Tensor) -> EdgeBatch:
-    return EdgeBatch(edges, advantages.float(), weights.float(), tree.edge_logp[edges].float(),
-                     tree.edge_std[edges].float(), step_sizes(tree, edges).float())
+    return EdgeBatch(
+        edges,
+        advantages.float(),
+        weights.float(),
+        tree.edge_logp[edges].float(),
+        tree.edge_std[edges].float(),
+        step_sizes(tree, edges).float(),
+    )
 
 
 class EdgeObjective:
@@ -82,6 +95,8 @@ class EdgeObjective:
             else:
                 extra["logp_ref"] = ref_out.logp.float()
         dev = out.logp.device
-        moved = EdgeBatch(*(getattr(batch, f).to(dev) for f in ("edges", "advantages", "weights", "logp_old", "std", "dt")))
+        moved = EdgeBatch(
+            *(getattr(batch, f).to(dev) for f in ("edges", "advantages", "weights", "logp_old", "std", "dt"))
+        )
         inputs = moved.inputs(out.logp.float(), **extra)
         return policy_loss(inputs, self.loss, norm), out.logp.detach()

@@ -19,12 +19,12 @@ from .config import RewardConfig
 
 @dataclass
 class Scored:
-    values: torch.Tensor                      # [n, K] float32, NaN = could not score
+    values: torch.Tensor  # [n, K] float32, NaN = could not score
     preferences: Optional[torch.Tensor] = None  # [P, G, G] P(i beats j), leaves only
     extras: dict[str, float] = field(default_factory=dict)  # means of scorers' extra outputs
     seconds: float = 0.0
     calls: int = 0
-    images: Optional[torch.Tensor] = None       # the final images [P * G, 3, H, W] when asked for (grids)
+    images: Optional[torch.Tensor] = None  # the final images [P * G, 3, H, W] when asked for (grids)
 
 
 class RewardStage:
@@ -45,8 +45,16 @@ class RewardStage:
     def scorer(self, label: str):
         return self.scorers[self.labels.index(label)]
 
-    def submit(self, decode: Callable[[torch.Tensor], torch.Tensor], latents: torch.Tensor, prompts: list[str],
-               metadata: list[dict[str, Any]], group_size: int, num_leaves: int, keep_images: bool = False) -> Future:
+    def submit(
+        self,
+        decode: Callable[[torch.Tensor], torch.Tensor],
+        latents: torch.Tensor,
+        prompts: list[str],
+        metadata: list[dict[str, Any]],
+        group_size: int,
+        num_leaves: int,
+        keep_images: bool = False,
+    ) -> Future:
         """Score `latents` (the first `num_leaves` are the final images, [P * G] in group order)."""
         return self.pool.submit(self._run, decode, latents, prompts, metadata, group_size, num_leaves, keep_images)
 
@@ -59,8 +67,15 @@ class RewardStage:
             scored.images = images[:num_leaves].float().cpu()
         return scored
 
-    def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]], group_size: int,
-              num_leaves: int, started: Optional[float] = None) -> Scored:
+    def score(
+        self,
+        images: torch.Tensor,
+        prompts: list[str],
+        metadata: list[dict[str, Any]],
+        group_size: int,
+        num_leaves: int,
+        started: Optional[float] = None,
+    ) -> Scored:
         t0 = started if started is not None else time.perf_counter()
         n = images.shape[0]
         keys = sorted({k for m in metadata for k in m})
@@ -68,8 +83,13 @@ class RewardStage:
         columns, prefs, extras, calls = [], None, {}, 0
         for label, kind, scorer in zip(self.labels, self.kinds, self.scorers):
             if kind == "pairwise":
-                rate, prefs = self._pairwise(scorer, images[:num_leaves], prompts[:num_leaves],
-                                             {k: v[:num_leaves] for k, v in meta.items()}, group_size)
+                rate, prefs = self._pairwise(
+                    scorer,
+                    images[:num_leaves],
+                    prompts[:num_leaves],
+                    {k: v[:num_leaves] for k, v in meta.items()},
+                    group_size,
+                )
                 col = torch.full((n,), float("nan"))
                 col[:num_leaves] = rate
                 calls += 1
@@ -80,8 +100,9 @@ class RewardStage:
                 for k, v in out.items():
                     if k != scorer.key:
                         v = v.detach().float()
-                        extras[f"reward/{label}/{k[len(scorer.key) + 1:]}"] = float(v[torch.isfinite(v)].mean()) \
-                            if bool(torch.isfinite(v).any()) else float("nan")
+                        extras[f"reward/{label}/{k[len(scorer.key) + 1 :]}"] = (
+                            float(v[torch.isfinite(v)].mean()) if bool(torch.isfinite(v).any()) else float("nan")
+                        )
             columns.append(col)
         return Scored(torch.stack(columns, 1), prefs, extras, time.perf_counter() - t0, calls)
 
@@ -91,8 +112,17 @@ class RewardStage:
         i, j = torch.triu_indices(G, G, offset=1)
         rows_a = (torch.arange(P).unsqueeze(1) * G + i).reshape(-1)
         rows_b = (torch.arange(P).unsqueeze(1) * G + j).reshape(-1)
-        p_ab = scorer(images[rows_a], images[rows_b], [prompts[r] for r in rows_a.tolist()],
-                      {k: [v[r] for r in rows_a.tolist()] for k, v in meta.items()}).detach().float().cpu()
+        p_ab = (
+            scorer(
+                images[rows_a],
+                images[rows_b],
+                [prompts[r] for r in rows_a.tolist()],
+                {k: [v[r] for r in rows_a.tolist()] for k, v in meta.items()},
+            )
+            .detach()
+            .float()
+            .cpu()
+        )
         prefs = torch.full((P, G, G), float("nan"))
         p_ab = p_ab.view(P, -1)
         prefs[:, i, j] = p_ab

@@ -17,5 +17,14 @@ from .rewards import REWARDS, RewardError
 from ..run.ratio_check import OnPolicyRatioWarning
 from .trainer import TextGRPOTrainer, train_text
 
-__all__ = ["DEFAULTS", "REWARDS", "DataError", "OnPolicyRatioWarning", "RewardError", "TextConfig",
-           "TextGRPOTrainer", "load_text_config", "train_text"]
+__all__ = [
+    "DEFAULTS",
+    "REWARDS",
+    "DataError",
+    "OnPolicyRatioWarning",
+    "RewardError",
+    "TextConfig",
+    "TextGRPOTrainer",
+    "load_text_config",
+    "train_text",
+]

@@ -36,7 +36,6 @@ SMOOTH_DEFAULTS = {"none": None, "floor": 0.1, "add-k": 1.0, "exp": None}
 _LOG_ZERO = -9999999999.0  # what sacrebleu uses for log(0): the score underflows to exactly 0
 
 
-
 def pad_ids(seqs: Sequence[Sequence[int]], device=None, pad: int = 0) -> tuple[Tensor, Tensor]:
     """(ids [B, L] right-padded, lengths [B]) from token-id lists (one flat copy, no per-row tensors)."""
     lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
@@ -50,8 +49,9 @@ def pad_ids(seqs: Sequence[Sequence[int]], device=None, pad: int = 0) -> tuple[T
     return ids.to(device), lengths.to(device)
 
 
-def bleu_statistics(hyp_ids: Tensor, hyp_lengths: Tensor, ref_ids: Tensor, ref_lengths: Tensor,
-                    max_n: int = 4) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def bleu_statistics(
+    hyp_ids: Tensor, hyp_lengths: Tensor, ref_ids: Tensor, ref_lengths: Tensor, max_n: int = 4
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Sufficient statistics of sentence BLEU, batched.
 
     hyp_ids [B, Lh], hyp_lengths [B]; ref_ids [B, R, Lr], ref_lengths [B, R] with -1 for a missing
@@ -70,8 +70,12 @@ def bleu_statistics(hyp_ids: Tensor, hyp_lengths: Tensor, ref_ids: Tensor, ref_l
         raise ValueError("every hypothesis needs at least one reference")
     # every sequence as one row: B hypotheses, then B * R references (row b * R + r)
     width = max(hyp_ids.shape[1], ref_ids.shape[2], 1)
-    rows = torch.cat([torch.nn.functional.pad(hyp_ids, (0, width - hyp_ids.shape[1])),
-                      torch.nn.functional.pad(ref_ids.reshape(B * R, -1), (0, width - ref_ids.shape[2]))])
+    rows = torch.cat(
+        [
+            torch.nn.functional.pad(hyp_ids, (0, width - hyp_ids.shape[1])),
+            torch.nn.functional.pad(ref_ids.reshape(B * R, -1), (0, width - ref_ids.shape[2])),
+        ]
+    )
     lengths = torch.cat([hyp_lengths, ref_lengths.reshape(-1).clamp_min(0)])
     owner = torch.cat([torch.arange(B, device=device), torch.arange(B, device=device).repeat_interleave(R)])
     which_ref = torch.arange(B * R, device=device) % R
@@ -85,13 +89,13 @@ def bleu_statistics(hyp_ids: Tensor, hyp_lengths: Tensor, ref_ids: Tensor, ref_l
         span = width - n + 1
         if span <= 0:
             break
-        valid = pos[:span].unsqueeze(0) + n <= lengths.unsqueeze(1)               # [S, span]
+        valid = pos[:span].unsqueeze(0) + n <= lengths.unsqueeze(1)  # [S, span]
         if n == 1:
             key = owner.unsqueeze(1) * V + rows
         else:
-            key = prev[:, :span] * V + rows[:, n - 1:]
+            key = prev[:, :span] * V + rows[:, n - 1 :]
         key = torch.where(valid, key, torch.full_like(key, -1))
-        uniq, prev = torch.unique(key, return_inverse=True)                      # prev: compact id per position
+        uniq, prev = torch.unique(key, return_inverse=True)  # prev: compact id per position
         K = uniq.numel()
         hv, rv = valid[:B], valid[B:]
         hyp_count = torch.bincount(prev[:B][hv], minlength=K)
@@ -110,9 +114,16 @@ def bleu_statistics(hyp_ids: Tensor, hyp_lengths: Tensor, ref_ids: Tensor, ref_l
     return correct, total, hyp_lengths.clone(), ref_len
 
 
-def bleu_from_statistics(correct: Tensor, total: Tensor, hyp_len: Tensor, ref_len: Tensor, *,
-                         smooth_method: str = "exp", smooth_value: Optional[float] = None,
-                         effective_order: bool = True) -> Tensor:
+def bleu_from_statistics(
+    correct: Tensor,
+    total: Tensor,
+    hyp_len: Tensor,
+    ref_len: Tensor,
+    *,
+    smooth_method: str = "exp",
+    smooth_value: Optional[float] = None,
+    effective_order: bool = True,
+) -> Tensor:
     """Sentence BLEU in [0, 1] from the statistics of `bleu_statistics` (sacrebleu's rules, see the module doc)."""
     if smooth_method not in SMOOTHING:
         raise ValueError(f"smooth_method: expected one of {SMOOTHING}, got {smooth_method!r}")
@@ -136,16 +147,18 @@ def bleu_from_statistics(correct: Tensor, total: Tensor, hyp_len: Tensor, ref_le
     elif smooth_method == "floor":
         prec = torch.where(zero, smooth_value / t_safe, prec)
     prec = prec * 100.0  # sacrebleu's scale, so that log(0) stands in the same proportion as there
-    logp = torch.where(prec > 0, torch.log(torch.where(prec > 0, prec, torch.ones_like(prec))),
-                       torch.full_like(prec, _LOG_ZERO))
+    logp = torch.where(
+        prec > 0, torch.log(torch.where(prec > 0, prec, torch.ones_like(prec))), torch.full_like(prec, _LOG_ZERO)
+    )
     if effective_order:
         eff = active.sum(1).clamp_min(1)
         logp = torch.where(active, logp, torch.zeros_like(logp))
     else:
         eff = torch.full((B,), N, device=c.device)
     score = torch.exp(logp.sum(1) / eff.to(dtype)) / 100.0
-    bp = torch.where(hl < rl, torch.where(hl > 0, torch.exp(1 - rl / hl.clamp_min(1)), torch.zeros_like(hl)),
-                     torch.ones_like(hl))
+    bp = torch.where(
+        hl < rl, torch.where(hl > 0, torch.exp(1 - rl / hl.clamp_min(1)), torch.zeros_like(hl)), torch.ones_like(hl)
+    )
     any_match = (correct > 0).any(1)
     return torch.where(any_match, bp * score, torch.zeros_like(score))
 
@@ -158,10 +171,16 @@ def _is_sequence(x) -> bool:
     return not isinstance(x, (str, bytes))
 
 
-def sentence_bleu_ids(hypotheses: Sequence[Sequence[int]],
-                      references: Sequence[Union[Sequence[int], Sequence[Sequence[int]]]], *,
-                      max_n: int = 4, smooth_method: str = "exp", smooth_value: Optional[float] = None,
-                      effective_order: bool = True, device=None) -> Tensor:
+def sentence_bleu_ids(
+    hypotheses: Sequence[Sequence[int]],
+    references: Sequence[Union[Sequence[int], Sequence[Sequence[int]]]],
+    *,
+    max_n: int = 4,
+    smooth_method: str = "exp",
+    smooth_value: Optional[float] = None,
+    effective_order: bool = True,
+    device=None,
+) -> Tensor:
     """Sentence BLEU in [0, 1] of each hypothesis (token-id list) against its reference(s), batched.
 
     references[i] is one token-id list, or a list of them (multiple references). sacrebleu's
@@ -183,5 +202,6 @@ def sentence_bleu_ids(hypotheses: Sequence[Sequence[int]],
     missing = torch.tensor([j >= len(r) for r in refs for j in range(R)], device=ref_len.device)
     ref_ids, ref_len = ref_ids.view(B, R, -1), torch.where(missing, -1, ref_len).view(B, R)
     stats = bleu_statistics(hyp_ids, hyp_len, ref_ids, ref_len, max_n)
-    return bleu_from_statistics(*stats, smooth_method=smooth_method, smooth_value=smooth_value,
-                                effective_order=effective_order)
+    return bleu_from_statistics(
+        *stats, smooth_method=smooth_method, smooth_value=smooth_value, effective_order=effective_order
+    )

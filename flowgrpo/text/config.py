@@ -55,12 +55,12 @@ class ModelConfig(StrictModel):
 
     name_or_path: str = "tiny"
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
-    gguf_file: Optional[str] = None           # a GGUF file inside name_or_path (transformers de-quantises it)
-    gguf_cache_dir: Optional[str] = None      # where the de-quantised model is cached as safetensors
+    gguf_file: Optional[str] = None  # a GGUF file inside name_or_path (transformers de-quantises it)
+    gguf_cache_dir: Optional[str] = None  # where the de-quantised model is cached as safetensors
     revision: Optional[str] = None
     trust_remote_code: bool = False
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: str = "auto"                      # auto | cpu | cuda | cuda:1 ...
+    device: str = "auto"  # auto | cpu | cuda | cuda:1 ...
     lora: LoraConfig = Field(default_factory=LoraConfig)
 
 
@@ -73,10 +73,10 @@ class DataConfig(StrictModel):
 
     path: Optional[str] = None
     task: Optional[TaskConfig] = None
-    prompt_field: str = "prompt"              # a string, or a list of chat messages
-    chat_template: bool = True                # apply the tokenizer's chat template when it has one
-    system_prompt: Optional[str] = None       # prepended as a system message when the template is applied
-    shuffle: bool = True                      # a new permutation each epoch (seeded)
+    prompt_field: str = "prompt"  # a string, or a list of chat messages
+    chat_template: bool = True  # apply the tokenizer's chat template when it has one
+    system_prompt: Optional[str] = None  # prepended as a system message when the template is applied
+    shuffle: bool = True  # a new permutation each epoch (seeded)
     max_rows: Optional[int] = None
 
     @model_validator(mode="after")
@@ -95,10 +95,10 @@ class VLLMConfig(StrictModel):
 
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
     tensor_parallel_size: int = Field(1, ge=1)
-    max_model_len: Optional[int] = None       # default: max prompt length + max_new_tokens
+    max_model_len: Optional[int] = None  # default: max prompt length + max_new_tokens
     dtype: str = "auto"
-    enable_prefix_caching: bool = True        # the G samples of a prompt share its KV blocks
-    enable_sleep_mode: bool = False           # free the KV cache while the policy trains
+    enable_prefix_caching: bool = True  # the G samples of a prompt share its KV blocks
+    enable_sleep_mode: bool = False  # free the KV cache while the policy trains
     enforce_eager: bool = False
 
 
@@ -107,18 +107,18 @@ class GenerationConfig(StrictModel):
     colocated vLLM engine (GPU)."""
 
     backend: Literal["transformers", "vllm"] = "transformers"
-    prompts_per_step: int = Field(2, ge=1)    # P
-    group_size: int = Field(8, ge=1)          # G (1 only for estimators without a group baseline)
+    prompts_per_step: int = Field(2, ge=1)  # P
+    group_size: int = Field(8, ge=1)  # G (1 only for estimators without a group baseline)
     max_new_tokens: int = Field(32, ge=1)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)               # 0 = off
+    top_k: int = Field(0, ge=0)  # 0 = off
     # top_p / top_k / min_p / repetition_penalty change what is sampled but not the recomputed
     # log-probs (those of the temperature-scaled full distribution, as in TRL)
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
-    batch_size: int = Field(64, ge=1)         # sequences per generate call
-    mask_truncated: bool = False              # DAPO overlong filtering: truncated completions leave the loss
+    batch_size: int = Field(64, ge=1)  # sequences per generate call
+    mask_truncated: bool = False  # DAPO overlong filtering: truncated completions leave the loss
     # record the sampler's log-prob of every token (always on with vLLM): the trainer then measures
     # how far the training forward is from it and corrects for it (`rollout_correction`)
     rollout_logprobs: bool = False
@@ -140,7 +140,7 @@ class RolloutCorrectionConfig(StrictModel):
     """
 
     mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none"] = "token_truncate"
-    clip_min: Optional[float] = Field(None, ge=0)   # None: no lower bound (0 for the mask modes)
+    clip_min: Optional[float] = Field(None, ge=0)  # None: no lower bound (0 for the mask modes)
     clip_max: float = Field(2.0, gt=0)
 
     @model_validator(mode="after")
@@ -161,7 +161,7 @@ class RewardSpec(PartSpec):
     name: str
     weight: float = 1.0
     columns: list[str] = Field(default_factory=list)
-    alias: Optional[str] = None               # the name in the metrics (default: name)
+    alias: Optional[str] = None  # the name in the metrics (default: name)
     settings: dict[str, Any] = Field(default_factory=dict)
 
     @property
@@ -172,11 +172,11 @@ class RewardSpec(PartSpec):
 class TrainConfig(StrictModel):
     """How one generation batch (P x G sequences) is used."""
 
-    inner_epochs: int = Field(1, ge=1)        # passes over each generation batch (TRL's num_iterations, mu)
-    mini_batches: int = Field(1, ge=1)        # optimizer steps per pass (each with its own global normaliser)
-    micro_batch_size: int = Field(16, ge=1)   # sequences per forward/backward (gradient accumulation)
+    inner_epochs: int = Field(1, ge=1)  # passes over each generation batch (TRL's num_iterations, mu)
+    mini_batches: int = Field(1, ge=1)  # optimizer steps per pass (each with its own global normaliser)
+    micro_batch_size: int = Field(16, ge=1)  # sequences per forward/backward (gradient accumulation)
     logprob_batch_size: Optional[int] = None  # sequences per no-grad log-prob pass (default micro_batch_size)
-    shuffle: bool = True                      # reshuffle sequences into mini-batches at every pass
+    shuffle: bool = True  # reshuffle sequences into mini-batches at every pass
     # run each distinct prompt of a micro-batch once and repeat its key/value cache for the completions
     # that share it (fewer FLOPs, same maths). auto: on when it agrees with the plain forward on the
     # first batch (to a tenth of ratio_check.tolerance in log-prob); true / false: always / never
@@ -187,8 +187,8 @@ class DynamicSamplingConfig(StrictModel):
     """DAPO dynamic sampling: drop groups whose rewards do not vary, generate more to refill the batch."""
 
     enabled: bool = False
-    max_extra_rounds: int = Field(3, ge=0)    # extra generation rounds per step at most
-    min_std: float = 0.0                      # a group needs a reward std above this to stay
+    max_extra_rounds: int = Field(3, ge=0)  # extra generation rounds per step at most
+    min_std: float = 0.0  # a group needs a reward std above this to stay
 
 
 class TextRatioCheckConfig(RatioCheckConfig):
@@ -210,7 +210,7 @@ class TextConfig(StrictModel):
     seed: int = 0
     output_dir: str = "outputs/text"
     steps: int = Field(20, ge=0)
-    stop_after: Optional[int] = None          # stop at this step (as if interrupted); resume continues to `steps`
+    stop_after: Optional[int] = None  # stop at this step (as if interrupted); resume continues to `steps`
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=lambda: DataConfig(task=TaskConfig(name="pattern")))
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
@@ -227,8 +227,8 @@ class TextConfig(StrictModel):
     guards: GuardConfig = Field(default_factory=GuardConfig)  # non-finite rewards / gradients (flowgrpo.guards)
     resume: bool = False
     progress: bool = True
-    num_threads: Optional[int] = None         # torch CPU threads (fix it for bit-exact comparisons)
-    deterministic: bool = False               # torch.use_deterministic_algorithms
+    num_threads: Optional[int] = None  # torch CPU threads (fix it for bit-exact comparisons)
+    deterministic: bool = False  # torch.use_deterministic_algorithms
 
     @model_validator(mode="after")
     def _check(self) -> "TextConfig":
@@ -238,16 +238,20 @@ class TextConfig(StrictModel):
             raise ValueError(problem)
         est = self.advantage.estimator.name
         if self.generation.group_size < 2 and est not in GROUPLESS_ESTIMATORS:
-            raise ValueError(f"generation.group_size 1: estimator '{est}' compares the samples of a group, so "
-                             f"one sample has advantage 0 and nothing is learnt; use >= 2 (or one of "
-                             f"{sorted(GROUPLESS_ESTIMATORS)})")
+            raise ValueError(
+                f"generation.group_size 1: estimator '{est}' compares the samples of a group, so "
+                f"one sample has advantage 0 and nothing is learnt; use >= 2 (or one of "
+                f"{sorted(GROUPLESS_ESTIMATORS)})"
+            )
         labels = [r.label for r in self.rewards]
         dup = sorted({x for x in labels if labels.count(x) > 1})
         if dup:
             raise ValueError(f"rewards: duplicate names {dup}; give each an `alias`")
         if self.generation.backend == "vllm" and self.model.name_or_path == "tiny":
-            raise ValueError("generation.backend vllm needs a model vLLM can load (model.name_or_path: a folder "
-                             "or hub id), not the in-code tiny model")
+            raise ValueError(
+                "generation.backend vllm needs a model vLLM can load (model.name_or_path: a folder "
+                "or hub id), not the in-code tiny model"
+            )
         return self
 
 

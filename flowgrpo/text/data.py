@@ -32,20 +32,28 @@ def task(name: str):
             raise ValueError(f"task '{name}' is already registered")
         TASKS[name] = fn
         return fn
+
     return register
 
 
 @task("pattern")
-def pattern_task(*, rows: int = 64, targets: str = "a", seed: int = 0,
-                 template: str = "Write {target} again and again: ") -> list[dict[str, Any]]:
+def pattern_task(
+    *, rows: int = 64, targets: str = "a", seed: int = 0, template: str = "Write {target} again and again: "
+) -> list[dict[str, Any]]:
     """Toy task for tests and demos: emit the target text; the `target` column feeds `target_pattern`."""
     rng = random.Random(seed)
     return [{"prompt": template.format(target=t), "target": t} for t in (rng.choice(targets) for _ in range(rows))]
 
 
 @task("arithmetic")
-def arithmetic_task(*, rows: int = 256, max_operand: int = 20, ops: str = "+-*", seed: int = 0,
-                    template: str = "What is {a} {op} {b}? Put the final answer in \\boxed{{}}.") -> list[dict[str, Any]]:
+def arithmetic_task(
+    *,
+    rows: int = 256,
+    max_operand: int = 20,
+    ops: str = "+-*",
+    seed: int = 0,
+    template: str = "What is {a} {op} {b}? Put the final answer in \\boxed{{}}.",
+) -> list[dict[str, Any]]:
     """Generated arithmetic questions with an `answer` column (for `math_answer`)."""
     rng = random.Random(seed)
     out = []
@@ -57,8 +65,15 @@ def arithmetic_task(*, rows: int = 256, max_operand: int = 20, ops: str = "+-*",
 
 
 @task("echo")
-def echo_task(*, rows: int = 64, words: str = "red green blue cat dog sun moon tree", min_words: int = 2,
-              max_words: int = 5, seed: int = 0, template: str = "Repeat: {text}\n") -> list[dict[str, Any]]:
+def echo_task(
+    *,
+    rows: int = 64,
+    words: str = "red green blue cat dog sun moon tree",
+    min_words: int = 2,
+    max_words: int = 5,
+    seed: int = 0,
+    template: str = "Repeat: {text}\n",
+) -> list[dict[str, Any]]:
     """Repeat a short random sentence; the `reference` column feeds `bleu` / `semantic_similarity`."""
     vocab = words.split()
     if not vocab or not 1 <= min_words <= max_words:
@@ -126,12 +141,12 @@ def render_prompt(prompt: Any, tokenizer, cfg: DataConfig, where: str) -> tuple[
     """
     conversational = isinstance(prompt, list)
     if not conversational and not isinstance(prompt, str):
-        raise DataError(f"{where}: the prompt must be a string or a list of chat messages, "
-                        f"got {type(prompt).__name__}")
+        raise DataError(f"{where}: the prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
     use_template = cfg.chat_template and getattr(tokenizer, "chat_template", None)
     if conversational and not use_template:
-        raise DataError(f"{where}: a conversational prompt needs a tokenizer with a chat template "
-                        f"(and data.chat_template: true)")
+        raise DataError(
+            f"{where}: a conversational prompt needs a tokenizer with a chat template (and data.chat_template: true)"
+        )
     if use_template:
         messages = list(prompt) if conversational else [{"role": "user", "content": prompt}]
         if cfg.system_prompt and not any(m.get("role") == "system" for m in messages):
@@ -146,8 +161,14 @@ def render_prompt(prompt: Any, tokenizer, cfg: DataConfig, where: str) -> tuple[
     return list(ids), conversational
 
 
-def load_prompts(cfg: DataConfig, tokenizer, *, context_length: Optional[int], max_new_tokens: int,
-                 required_columns: dict[str, Iterable[str]] | None = None) -> PromptData:
+def load_prompts(
+    cfg: DataConfig,
+    tokenizer,
+    *,
+    context_length: Optional[int],
+    max_new_tokens: int,
+    required_columns: dict[str, Iterable[str]] | None = None,
+) -> PromptData:
     """Read, check and tokenise every row.
 
     required_columns: {reward name: columns it needs}; a row without one of them is an error.
@@ -165,28 +186,34 @@ def load_prompts(cfg: DataConfig, tokenizer, *, context_length: Optional[int], m
             raise DataError(f"task '{cfg.task.name}': {err}") from None
         lines, source = None, f"built-in task '{cfg.task.name}'"
     if cfg.max_rows is not None:
-        rows = rows[:cfg.max_rows]
-        lines = lines[:cfg.max_rows] if lines else lines
+        rows = rows[: cfg.max_rows]
+        lines = lines[: cfg.max_rows] if lines else lines
     data = PromptData(rows, [], [], source, lines)
     reserved = {"prompts", "completions", "completion_ids", "trainer_state"}  # reward-function arguments
     needs = {col: reward for reward, cols in (required_columns or {}).items() for col in cols}
     for i, row in enumerate(rows):
         if cfg.prompt_field not in row:
-            raise DataError(f"{data.where(i)} has no prompt field '{cfg.prompt_field}' "
-                            f"(data.prompt_field); its keys: {sorted(row)}")
+            raise DataError(
+                f"{data.where(i)} has no prompt field '{cfg.prompt_field}' (data.prompt_field); its keys: {sorted(row)}"
+            )
         clash = reserved & set(row)
         if clash:
-            raise DataError(f"{data.where(i)} has a column named {sorted(clash)[0]!r}, which is a reward-function "
-                            f"argument; rename it")
+            raise DataError(
+                f"{data.where(i)} has a column named {sorted(clash)[0]!r}, which is a reward-function "
+                f"argument; rename it"
+            )
         for col, reward in needs.items():
             if col not in row:
-                raise DataError(f"{data.where(i)} has no column '{col}', which reward '{reward}' needs; "
-                                f"its keys: {sorted(row)}")
+                raise DataError(
+                    f"{data.where(i)} has no column '{col}', which reward '{reward}' needs; its keys: {sorted(row)}"
+                )
         ids, conv = render_prompt(row[cfg.prompt_field], tokenizer, cfg, data.where(i))
         if context_length is not None and len(ids) + max_new_tokens > context_length:
-            raise DataError(f"{data.where(i)}: the prompt has {len(ids)} tokens; with "
-                            f"generation.max_new_tokens={max_new_tokens} that exceeds the model context of "
-                            f"{context_length} tokens (shorten the prompt or lower max_new_tokens)")
+            raise DataError(
+                f"{data.where(i)}: the prompt has {len(ids)} tokens; with "
+                f"generation.max_new_tokens={max_new_tokens} that exceeds the model context of "
+                f"{context_length} tokens (shorten the prompt or lower max_new_tokens)"
+            )
         data.prompt_ids.append(ids)
         data.conversational.append(conv)
     return data

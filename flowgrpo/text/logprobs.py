@@ -33,34 +33,51 @@ def _trimmed_inputs(rollout: Rollout, rows: Tensor) -> tuple[Tensor, Tensor, Ten
     return ids, attn, (attn.cumsum(1) - 1).clamp_min(0), width
 
 
-def _shared_prompt_logits(model, rollout: Rollout, rows: Tensor, prompts: Tensor, where: Tensor,
-                          device) -> tuple[Tensor, int]:
+def _shared_prompt_logits(
+    model, rollout: Rollout, rows: Tensor, prompts: Tensor, where: Tensor, device
+) -> tuple[Tensor, int]:
     """Logits [n, width, V] predicting each completion token of `rows`: one pass over the distinct
     prompts (`prompts`: one row of each; `where[i]`: the distinct prompt of rows[i]), then the
     completions on the repeated prompt cache."""
     pmask = rollout.prompt_mask[prompts]
     keep_from = int((pmask.sum(0) > 0).float().argmax())
     ids_p, mask_p = rollout.prompt_ids[prompts, keep_from:], pmask[:, keep_from:]
-    out_p = model(input_ids=ids_p.to(device), attention_mask=mask_p.to(device),
-                  position_ids=(mask_p.cumsum(1) - 1).clamp_min(0).to(device), use_cache=True, logits_to_keep=1)
+    out_p = model(
+        input_ids=ids_p.to(device),
+        attention_mask=mask_p.to(device),
+        position_ids=(mask_p.cumsum(1) - 1).clamp_min(0).to(device),
+        use_cache=True,
+        logits_to_keep=1,
+    )
     where_d = where.to(device)
-    first = out_p.logits[:, -1:][where_d]                      # left padding: the last column is a real token
+    first = out_p.logits[:, -1:][where_d]  # left padding: the last column is a real token
     cmask = rollout.completion_mask[rows]
     width = max(int(cmask.sum(1).max()), 1)
     if width == 1:
         return first, width
     cache = out_p.past_key_values
-    cache.batch_select_indices(where_d)                        # repeat each prompt's cache for its rows
-    attn = torch.cat([mask_p[where], cmask[:, :width - 1].long()], 1)
+    cache.batch_select_indices(where_d)  # repeat each prompt's cache for its rows
+    attn = torch.cat([mask_p[where], cmask[:, : width - 1].long()], 1)
     pos = mask_p.sum(1)[where].unsqueeze(1) + torch.arange(width - 1).unsqueeze(0)
-    out_c = model(input_ids=rollout.completion_ids[rows, :width - 1].to(device), attention_mask=attn.to(device),
-                  position_ids=pos.to(device), past_key_values=cache, use_cache=True)
+    out_c = model(
+        input_ids=rollout.completion_ids[rows, : width - 1].to(device),
+        attention_mask=attn.to(device),
+        position_ids=pos.to(device),
+        past_key_values=cache,
+        use_cache=True,
+    )
     return torch.cat([first, out_c.logits], 1), width
 
 
-def micro_logprobs(model, rollout: Rollout, rows: Tensor, temperature: float,
-                   with_entropy: bool = False, entropy_grad: bool = True,
-                   shared_prompt: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+def micro_logprobs(
+    model,
+    rollout: Rollout,
+    rows: Tensor,
+    temperature: float,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    shared_prompt: bool = False,
+) -> tuple[Tensor, Optional[Tensor]]:
     """Log-probs [n, Tc] (and entropies) of the completion tokens of `rows`; zero beyond each micro-batch's width.
 
     Runs with or without grad as the caller's context says; `entropy_grad=False` computes the entropy
@@ -73,14 +90,19 @@ def micro_logprobs(model, rollout: Rollout, rows: Tensor, temperature: float,
         uniq, where = torch.unique(rollout.prompt_index[rows], return_inverse=True)
         if uniq.numel() < rows.numel():
             prompts = torch.zeros(uniq.numel(), dtype=torch.long)
-            prompts[where] = rows                               # one row of each distinct prompt
+            prompts[where] = rows  # one row of each distinct prompt
     if prompts is not None:
         logits, width = _shared_prompt_logits(model, rollout, rows, prompts, where, device)
         logits = logits.float()
     else:
         ids, attn, pos, width = _trimmed_inputs(rollout, rows)
-        out = model(input_ids=ids.to(device), attention_mask=attn.to(device), position_ids=pos.to(device),
-                    logits_to_keep=width + 1, use_cache=False)
+        out = model(
+            input_ids=ids.to(device),
+            attention_mask=attn.to(device),
+            position_ids=pos.to(device),
+            logits_to_keep=width + 1,
+            use_cache=False,
+        )
         logits = out.logits[:, :-1].float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -101,8 +123,14 @@ def micro_logprobs(model, rollout: Rollout, rows: Tensor, temperature: float,
 
 
 @torch.no_grad()
-def batch_logprobs(model, rollout: Rollout, temperature: float, batch_size: int,
-                   with_entropy: bool = False, shared_prompt: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+def batch_logprobs(
+    model,
+    rollout: Rollout,
+    temperature: float,
+    batch_size: int,
+    with_entropy: bool = False,
+    shared_prompt: bool = False,
+) -> tuple[Tensor, Optional[Tensor]]:
     """No-grad log-probs [N, Tc] of a whole rollout (old policy, reference), `batch_size` rows at a time."""
     N = rollout.num_sequences
     logps, ents = [], []

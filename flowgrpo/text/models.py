@@ -66,11 +66,18 @@ def build_tiny_model(cfg: TinyModelConfig, vocab_size: int, eos_token_id: int):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
-        vocab_size=vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=cfg.tie_word_embeddings, bos_token_id=None, eos_token_id=eos_token_id,
-        pad_token_id=eos_token_id, attention_dropout=0.0,
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        intermediate_size=cfg.intermediate_size,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        bos_token_id=None,
+        eos_token_id=eos_token_id,
+        pad_token_id=eos_token_id,
+        attention_dropout=0.0,
     )
     with torch.random.fork_rng(devices=[]):  # leave the run's RNG stream untouched
         torch.manual_seed(cfg.init_seed)
@@ -117,8 +124,10 @@ def _load_gguf(cfg: ModelConfig):
     stamp = {"gguf_file": str(source.resolve()), "bytes": source.stat().st_size}
 
     def from_cache():
-        return (AutoTokenizer.from_pretrained(str(cache)),
-                AutoModelForCausalLM.from_pretrained(str(cache), dtype=resolve_dtype(cfg.dtype)))
+        return (
+            AutoTokenizer.from_pretrained(str(cache)),
+            AutoModelForCausalLM.from_pretrained(str(cache), dtype=resolve_dtype(cfg.dtype)),
+        )
 
     if cache is not None and (cache / "config.json").is_file():
         cached_from = _read_json(cache / SOURCE_FILE)
@@ -126,9 +135,14 @@ def _load_gguf(cfg: ModelConfig):
             log.info("loading the cached safetensors copy of %s from %s", gguf, cache)
             return from_cache()
         was = cached_from or {}
-        log.warning("model.gguf_cache_dir %s holds a copy of %s (%s bytes), not of %s (%s bytes); converting "
-                    "again", cache, was.get("gguf_file", "an unknown file"), was.get("bytes", "?"), source,
-                    stamp["bytes"])
+        log.warning(
+            "model.gguf_cache_dir %s holds a copy of %s (%s bytes), not of %s (%s bytes); converting again",
+            cache,
+            was.get("gguf_file", "an unknown file"),
+            was.get("bytes", "?"),
+            source,
+            stamp["bytes"],
+        )
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=resolve_dtype(cfg.dtype))
     if cache is not None:
@@ -197,8 +211,9 @@ def apply_lora(model, cfg: LoraConfig):
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
-    peft_cfg = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=0.0,
-                              target_modules=list(cfg.target_modules), task_type="CAUSAL_LM")
+    peft_cfg = PeftLoraConfig(
+        r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=0.0, target_modules=list(cfg.target_modules), task_type="CAUSAL_LM"
+    )
     return get_peft_model(model, peft_cfg)
 
 
@@ -220,10 +235,12 @@ def reference_policy(model, use_kl: bool) -> Optional[Callable[[], ContextManage
     if not use_kl:
         return None
     if is_peft(model):
+
         @contextlib.contextmanager
         def adapter_off():
             with model.disable_adapter():
                 yield model
+
         return adapter_off
     frozen = copy.deepcopy(model).eval()
     for p in frozen.parameters():
@@ -232,4 +249,5 @@ def reference_policy(model, use_kl: bool) -> Optional[Callable[[], ContextManage
     @contextlib.contextmanager
     def frozen_copy():
         yield frozen
+
     return frozen_copy

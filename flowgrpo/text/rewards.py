@@ -56,8 +56,14 @@ def _columns(fn: Callable, columns: Sequence[str]) -> Callable:
 
 
 @REWARDS.register("math_answer")
-def math_answer(*, column: str = "answer", extract: str = "boxed_or_last", rel_tol: float = 1e-6,
-                correct: float = 1.0, wrong: float = 0.0) -> Callable:
+def math_answer(
+    *,
+    column: str = "answer",
+    extract: str = "boxed_or_last",
+    rel_tol: float = 1e-6,
+    correct: float = 1.0,
+    wrong: float = 0.0,
+) -> Callable:
     """Verifiable math: the completion's final answer (last \\boxed{} or last number) equals the reference numerically."""
     extract_answer("", extract)  # validate the mode now
 
@@ -76,8 +82,14 @@ def math_answer(*, column: str = "answer", extract: str = "boxed_or_last", rel_t
 
 
 @REWARDS.register("format_regex")
-def format_regex(*, pattern: str = r"\\boxed\{.+\}", mode: str = "search", dotall: bool = True,
-                 reward: float = 1.0, otherwise: float = 0.0) -> Callable:
+def format_regex(
+    *,
+    pattern: str = r"\\boxed\{.+\}",
+    mode: str = "search",
+    dotall: bool = True,
+    reward: float = 1.0,
+    otherwise: float = 0.0,
+) -> Callable:
     """`reward` when the completion matches a regular expression (search, match or fullmatch), else `otherwise`."""
     if mode not in ("search", "match", "fullmatch"):
         raise ValueError(f"format_regex mode: expected 'search', 'match' or 'fullmatch', got {mode!r}")
@@ -128,8 +140,13 @@ def overlong(*, max_tokens: Optional[int] = None, buffer: Optional[int] = None, 
 
 
 @REWARDS.register("target_pattern")
-def target_pattern(*, pattern: Optional[str] = None, column: str = "target", per: str = "token",
-                   eos_token_ids: Optional[list[int]] = None) -> Callable:
+def target_pattern(
+    *,
+    pattern: Optional[str] = None,
+    column: str = "target",
+    per: str = "token",
+    eos_token_ids: Optional[list[int]] = None,
+) -> Callable:
     """Toy reward: how much of the completion is the target text (from the setting, or the row's column).
 
     per "token": occurrences x len(target) / completion tokens (without a final end-of-sequence token);
@@ -168,9 +185,19 @@ def _references(value: Any) -> Optional[list[str]]:
 
 
 @REWARDS.register("bleu")
-def bleu(*, column: str = "reference", tokenize: str = "policy", max_order: int = 4, smooth_method: str = "exp",
-         smooth_value: Optional[float] = None, effective_order: bool = True, lowercase: bool = False,
-         tokenizer: Any = None, eos_token_ids: Optional[list[int]] = None, device: Optional[str] = None) -> Callable:
+def bleu(
+    *,
+    column: str = "reference",
+    tokenize: str = "policy",
+    max_order: int = 4,
+    smooth_method: str = "exp",
+    smooth_value: Optional[float] = None,
+    effective_order: bool = True,
+    lowercase: bool = False,
+    tokenizer: Any = None,
+    eos_token_ids: Optional[list[int]] = None,
+    device: Optional[str] = None,
+) -> Callable:
     """Sentence BLEU in [0, 1] against the row's reference(s), batched on the training device (TensorBLEU-style).
 
     tokenize "policy": the completion's own token ids against the reference encoded by the policy's
@@ -191,14 +218,17 @@ def bleu(*, column: str = "reference", tokenize: str = "policy", max_order: int 
         if lowercase:
             raise ValueError("bleu lowercase: only with tokenize 'whitespace' (policy token ids are not re-tokenised)")
         if tokenizer is None:
-            raise ValueError("bleu tokenize 'policy' needs the policy's tokenizer (the trainer passes it) or "
-                             "`tokenizer: /path/to/tokenizer`")
+            raise ValueError(
+                "bleu tokenize 'policy' needs the policy's tokenizer (the trainer passes it) or "
+                "`tokenizer: /path/to/tokenizer`"
+            )
         if isinstance(tokenizer, (str, Path)):
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
         encode = functools.lru_cache(maxsize=65536)(
-            lambda text: tuple(tokenizer(text, add_special_tokens=False)["input_ids"]))
+            lambda text: tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+        )
     eos = set(eos_token_ids or ())
 
     def fn(prompts, completions, completion_ids, **kwargs):
@@ -217,11 +247,22 @@ def bleu(*, column: str = "reference", tokenize: str = "policy", max_order: int 
 
             def words(text: str) -> list[int]:
                 return [vocab.setdefault(w, len(vocab)) for w in (text.lower() if lowercase else text).split()]
+
             hyps = [words(_text(completions[i])) for i in rows]
             ref_ids = [[words(r) for r in refs[i]] for i in rows]
-        scores = sentence_bleu_ids(hyps, ref_ids, max_n=max_order, smooth_method=smooth_method,
-                                   smooth_value=smooth_value, effective_order=effective_order,
-                                   device=device).tolist() if rows else []
+        scores = (
+            sentence_bleu_ids(
+                hyps,
+                ref_ids,
+                max_n=max_order,
+                smooth_method=smooth_method,
+                smooth_value=smooth_value,
+                effective_order=effective_order,
+                device=device,
+            ).tolist()
+            if rows
+            else []
+        )
         out: list[Optional[float]] = [None] * len(completions)
         for i, s in zip(rows, scores):
             out[i] = float(s)
@@ -231,9 +272,15 @@ def bleu(*, column: str = "reference", tokenize: str = "policy", max_order: int 
 
 
 @REWARDS.register("semantic_similarity")
-def semantic_similarity(*, column: str = "reference", model_path: Optional[str] = None,
-                        device: Optional[str] = None, batch_size: int = 64, max_length: Optional[int] = None,
-                        pooling: Optional[str] = None) -> Callable:
+def semantic_similarity(
+    *,
+    column: str = "reference",
+    model_path: Optional[str] = None,
+    device: Optional[str] = None,
+    batch_size: int = 64,
+    max_length: Optional[int] = None,
+    pooling: Optional[str] = None,
+) -> Callable:
     """Cosine similarity in [-1, 1] of the completion and the row's reference under a sentence encoder.
 
     model_path: a local sentence-transformers folder (default: all-MiniLM-L6-v2 from the
@@ -244,8 +291,7 @@ def semantic_similarity(*, column: str = "reference", model_path: Optional[str] 
     """
     from .encoders import get_encoder
 
-    encoder = get_encoder(model_path, device or "cpu", batch_size=batch_size, max_length=max_length,
-                          pooling=pooling)
+    encoder = get_encoder(model_path, device or "cpu", batch_size=batch_size, max_length=max_length, pooling=pooling)
 
     def fn(prompts, completions, **kwargs):
         refs = [_references(v) for v in kwargs[column]]
@@ -305,8 +351,12 @@ def import_callable(ref: str) -> Callable:
     return fn
 
 
-def build_rewards(specs: Sequence[RewardSpec], *, context: Optional[Mapping[str, Any]] = None,
-                  extra: Optional[Mapping[str, Callable]] = None) -> list[RewardFunction]:
+def build_rewards(
+    specs: Sequence[RewardSpec],
+    *,
+    context: Optional[Mapping[str, Any]] = None,
+    extra: Optional[Mapping[str, Callable]] = None,
+) -> list[RewardFunction]:
     """Reward functions from their specs: a callable passed in `extra`, a registered built-in, or an import path.
 
     context: run facts that fill a built-in's settings left unset (None): `max_tokens` (the
@@ -346,7 +396,7 @@ def build_rewards(specs: Sequence[RewardSpec], *, context: Optional[Mapping[str,
 
 @dataclass
 class RewardScores:
-    values: torch.Tensor                      # [N, K]; NaN = None ("not applicable") or a failed call
+    values: torch.Tensor  # [N, K]; NaN = None ("not applicable") or a failed call
     none_counts: list[int]
     error_counts: list[int]
     errors: list[Optional[str]] = field(default_factory=list)
@@ -363,9 +413,16 @@ def _to_float(value: Any, name: str, i: int) -> float:
     return float(value)
 
 
-def score_completions(rewards: Sequence[RewardFunction], *, prompts: list, completions: list,
-                      completion_ids: list[list[int]], columns: Mapping[str, list],
-                      trainer_state: Mapping[str, Any], stop_on_error: bool) -> RewardScores:
+def score_completions(
+    rewards: Sequence[RewardFunction],
+    *,
+    prompts: list,
+    completions: list,
+    completion_ids: list[list[int]],
+    columns: Mapping[str, list],
+    trainer_state: Mapping[str, Any],
+    stop_on_error: bool,
+) -> RewardScores:
     """Call every reward function once on the whole batch.
 
     A function that raises (or returns the wrong number of values, or a non-number) marks all its
@@ -379,8 +436,13 @@ def score_completions(rewards: Sequence[RewardFunction], *, prompts: list, compl
     for k, r in enumerate(rewards):
         t0 = time.perf_counter()
         try:
-            raw = r.fn(prompts=prompts, completions=completions, completion_ids=completion_ids,
-                       trainer_state=dict(trainer_state), **columns)
+            raw = r.fn(
+                prompts=prompts,
+                completions=completions,
+                completion_ids=completion_ids,
+                trainer_state=dict(trainer_state),
+                **columns,
+            )
             if inspect.isawaitable(raw):
                 import asyncio
 

@@ -31,16 +31,19 @@ def mismatch_metrics(logp_old: Tensor, logp_rollout: Tensor, mask: Tensor) -> di
     d = (logp_old.float() - logp_rollout.float())[m]
     w = d.exp()
     return {
-        "mismatch/logp_diff_mean": float(d.abs().mean()), "mismatch/logp_diff_max": float(d.abs().max()),
+        "mismatch/logp_diff_mean": float(d.abs().mean()),
+        "mismatch/logp_diff_max": float(d.abs().max()),
         "mismatch/kl": float((w - 1 - d).mean()),
-        "mismatch/token_ratio_min": float(w.min()), "mismatch/token_ratio_mean": float(w.mean()),
+        "mismatch/token_ratio_min": float(w.min()),
+        "mismatch/token_ratio_mean": float(w.mean()),
         "mismatch/token_ratio_max": float(w.max()),
     }
 
 
 @torch.no_grad()
-def correction_weights(logp_old: Tensor, logp_rollout: Tensor, mask: Tensor,
-                       cfg: RolloutCorrectionConfig) -> tuple[Tensor, dict[str, float]]:
+def correction_weights(
+    logp_old: Tensor, logp_rollout: Tensor, mask: Tensor, cfg: RolloutCorrectionConfig
+) -> tuple[Tensor, dict[str, float]]:
     """Per-token multipliers [N, T] for the policy term (0 = the token leaves the loss) and metrics.
 
     Sequence modes use the product of the token weights over the completion (a sum in log space).

@@ -22,8 +22,10 @@ from .config import GenerationConfig
 from .generation import Rollout, completion_mask, eos_token_ids, finalize, left_pad, sampling_settings
 from .models import is_peft
 
-MISSING_VLLM = ("generation.backend vllm needs the vllm package and a CUDA GPU: pip install -e '.[vllm]' "
-                "(or set generation.backend: transformers)")
+MISSING_VLLM = (
+    "generation.backend vllm needs the vllm package and a CUDA GPU: pip install -e '.[vllm]' "
+    "(or set generation.backend: transformers)"
+)
 V1_PATH = "llm.llm_engine.model_executor.driver_worker.worker.model_runner.model"
 V0_PATH = "llm.llm_engine.model_executor.driver_worker.model_runner.model"
 
@@ -36,8 +38,10 @@ def _engine_model(llm):
         model = getattr(getattr(owner, "model_runner", None), "model", None)
         if model is not None:
             return model
-    raise RuntimeError(f"cannot reach the vLLM engine's model (tried {V1_PATH} and {V0_PATH}); the weight sync "
-                       "needs the engine in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0, tensor_parallel_size 1")
+    raise RuntimeError(
+        f"cannot reach the vLLM engine's model (tried {V1_PATH} and {V0_PATH}); the weight sync "
+        "needs the engine in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0, tensor_parallel_size 1"
+    )
 
 
 def _plain_weights(state: dict[str, torch.Tensor], adapter: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -70,11 +74,15 @@ class VLLMGenerator:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         v = cfg.vllm
         self.llm = vllm.LLM(
-            model=model_path, tensor_parallel_size=v.tensor_parallel_size,
+            model=model_path,
+            tensor_parallel_size=v.tensor_parallel_size,
             gpu_memory_utilization=v.gpu_memory_utilization,
-            max_model_len=v.max_model_len or max_prompt_len + cfg.max_new_tokens, dtype=v.dtype,
-            enable_prefix_caching=v.enable_prefix_caching, enable_sleep_mode=v.enable_sleep_mode,
-            enforce_eager=v.enforce_eager, logprobs_mode="processed_logprobs",
+            max_model_len=v.max_model_len or max_prompt_len + cfg.max_new_tokens,
+            dtype=v.dtype,
+            enable_prefix_caching=v.enable_prefix_caching,
+            enable_sleep_mode=v.enable_sleep_mode,
+            enforce_eager=v.enforce_eager,
+            logprobs_mode="processed_logprobs",
         )
         self.asleep = False
 
@@ -112,22 +120,36 @@ class VLLMGenerator:
     def _params(self, G: int, seed: Optional[int], index: int):
         c = self.cfg
         return self.vllm.SamplingParams(
-            n=G, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k if c.top_k > 0 else -1,
-            min_p=c.min_p or 0.0, repetition_penalty=c.repetition_penalty or 1.0, max_tokens=c.max_new_tokens,
+            n=G,
+            temperature=c.temperature,
+            top_p=c.top_p,
+            top_k=c.top_k if c.top_k > 0 else -1,
+            min_p=c.min_p or 0.0,
+            repetition_penalty=c.repetition_penalty or 1.0,
+            max_tokens=c.max_new_tokens,
             logprobs=0,  # the sampled token's log-prob only
             # vLLM gives the j-th sample seed + j: prompts are spaced by G so that no two samples of a
             # call share a random stream (the same seed for all would correlate the prompts' samples)
-            seed=None if seed is None else seed + index * G, stop_token_ids=list(self.eos_ids),
+            seed=None if seed is None else seed + index * G,
+            stop_token_ids=list(self.eos_ids),
         )
 
     @torch.no_grad()
-    def generate(self, prompt_ids: Sequence[Sequence[int]], prompt_index: Sequence[int],
-                 group_size: Optional[int] = None, seed: Optional[int] = None) -> Rollout:
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        prompt_index: Sequence[int],
+        group_size: Optional[int] = None,
+        seed: Optional[int] = None,
+    ) -> Rollout:
         G = group_size or self.cfg.group_size
         self._wake()
         try:
-            outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_ids],
-                                        [self._params(G, seed, i) for i in range(len(prompt_ids))], use_tqdm=False)
+            outputs = self.llm.generate(
+                [{"prompt_token_ids": list(ids)} for ids in prompt_ids],
+                [self._params(G, seed, i) for i in range(len(prompt_ids))],
+                use_tqdm=False,
+            )
         finally:
             self._sleep()
         if len(outputs) != len(prompt_ids):
@@ -147,8 +169,8 @@ class VLLMGenerator:
             ids = list(s.token_ids)
             if s.logprobs is None or len(s.logprobs) != len(ids):
                 raise ValueError("vLLM returned no log-prob for some sampled tokens (logprobs=0 was asked for)")
-            tokens[r, :len(ids)] = torch.as_tensor(ids, dtype=torch.long)
-            logp[r, :len(ids)] = torch.as_tensor([s.logprobs[t][tok].logprob for t, tok in enumerate(ids)])
+            tokens[r, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+            logp[r, : len(ids)] = torch.as_tensor([s.logprobs[t][tok].logprob for t, tok in enumerate(ids)])
         # vLLM keeps the stop token in token_ids, so the mask includes the EOS as on the transformers
         # path; a completion cut at max_tokens (or max_model_len) has no EOS: truncated
         cmask, truncated = completion_mask(tokens, self.eos_ids)
@@ -156,6 +178,14 @@ class VLLMGenerator:
         cmask &= torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
         ids, mask = left_pad(prompt_ids, self.pad_id)
         index = torch.as_tensor(list(prompt_index), dtype=torch.long)
-        rollout = Rollout(ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0), tokens, cmask, truncated,
-                          index.repeat_interleave(G), G, logp)
+        rollout = Rollout(
+            ids.repeat_interleave(G, 0),
+            mask.repeat_interleave(G, 0),
+            tokens,
+            cmask,
+            truncated,
+            index.repeat_interleave(G),
+            G,
+            logp,
+        )
         return finalize(rollout, self.pad_id)

@@ -1,7 +1,7 @@
 """Model adapters, one per family, by name. Importing this package does not import diffusers.
 
-    adapter = build_adapter("sd3", tiny=True)                         # tests, demos
-    adapter = build_adapter("flux", pretrained="/models/FLUX.1-dev", dtype=torch.bfloat16, device="cuda")
+adapter = build_adapter("sd3", tiny=True)                         # tests, demos
+adapter = build_adapter("flux", pretrained="/models/FLUX.1-dev", dtype=torch.bfloat16, device="cuda")
 """
 
 from __future__ import annotations

@@ -23,8 +23,15 @@ FEW = settings(max_examples=15 * _SCALE, deadline=None, database=None)
 # --- random inputs ------------------------------------------------------------------------------
 
 
-def random_rewards(rng: np.random.Generator, P: int, G: int, kind: str = "normal", nan_frac: float = 0.0,
-                   invalid_frac: float = 0.0, K: int | None = None):
+def random_rewards(
+    rng: np.random.Generator,
+    P: int,
+    G: int,
+    kind: str = "normal",
+    nan_frac: float = 0.0,
+    invalid_frac: float = 0.0,
+    K: int | None = None,
+):
     """float32-representable rewards (float64 array), a NaN pattern and a valid mask."""
     shape = (P, G) if K is None else (P, G, K)
     if kind == "normal":
@@ -254,7 +261,7 @@ def ref_gdpo(heads, valid, weights, eps=1e-4, unbiased=True, policy="propagate")
             if not valid[p, g]:
                 continue
             fin = [np.isfinite(heads[p, g, k]) for k in range(K)]
-            if (all(fin) if policy == "propagate" else any(fin)):
+            if all(fin) if policy == "propagate" else any(fin):
                 S[(p, g)] = sum(weights[k] * normed[p, g, k] for k in range(K))
     out = np.zeros((P, G))
     vals = list(S.values())
@@ -400,8 +407,9 @@ def ref_value_anchored(r, ok, gamma, k, absolute_steps, eps, unbiased):
     return out
 
 
-def ref_tree_depth(parents, depths, leaf_of, rewards, fusion="mean", edge_logp=None, alpha=1.0,
-                   eps=1e-8, unbiased=True, min_std=1e-6):
+def ref_tree_depth(
+    parents, depths, leaf_of, rewards, fusion="mean", edge_logp=None, alpha=1.0, eps=1e-8, unbiased=True, min_std=1e-6
+):
     """BranchGRPO on one tree given as python lists. leaf_of[g] = node of sample g (None = no sample).
 
     Returns (advantage per node, value per node or None).
@@ -460,6 +468,7 @@ def ref_policy_loss(inp: dict, cfg: dict, norm_from: dict | None = None) -> tupl
     cfg keys: ratio, bounds (name, settings), surrogate (name, settings), weighting, kl (name, coef),
     entropy_coef, aggregation, const_len, clamp.
     """
+
     def dropped(d):  # a zero sample weight removes the action from the mask (LossInputs contract)
         sw = d.get("sw")
         return {**d, "mask": d["mask"] & (sw != 0)} if sw is not None else d
@@ -473,18 +482,23 @@ def ref_policy_loss(inp: dict, cfg: dict, norm_from: dict | None = None) -> tupl
     g_mask, g_adv = nf["mask"], nf["adv"]
     num_tokens = float(g_mask.sum())
     num_seqs = float(sum(1 for i in range(g_mask.shape[0]) if g_mask[i].any()))
-    pos_tokens = float(sum(1 for i in range(g_mask.shape[0]) for t in range(g_mask.shape[1])
-                           if g_mask[i, t] and g_adv[i, t] > 0))
-    neg_tokens = float(sum(1 for i in range(g_mask.shape[0]) for t in range(g_mask.shape[1])
-                           if g_mask[i, t] and g_adv[i, t] < 0))
-    pos_seqs = float(sum(1 for i in range(g_mask.shape[0]) if any(g_mask[i, t] and g_adv[i, t] > 0
-                                                                    for t in range(g_mask.shape[1]))))
-    neg_seqs = float(sum(1 for i in range(g_mask.shape[0]) if any(g_mask[i, t] and g_adv[i, t] < 0
-                                                                    for t in range(g_mask.shape[1]))))
+    pos_tokens = float(
+        sum(1 for i in range(g_mask.shape[0]) for t in range(g_mask.shape[1]) if g_mask[i, t] and g_adv[i, t] > 0)
+    )
+    neg_tokens = float(
+        sum(1 for i in range(g_mask.shape[0]) for t in range(g_mask.shape[1]) if g_mask[i, t] and g_adv[i, t] < 0)
+    )
+    pos_seqs = float(
+        sum(1 for i in range(g_mask.shape[0]) if any(g_mask[i, t] and g_adv[i, t] > 0 for t in range(g_mask.shape[1])))
+    )
+    neg_seqs = float(
+        sum(1 for i in range(g_mask.shape[0]) if any(g_mask[i, t] and g_adv[i, t] < 0 for t in range(g_mask.shape[1])))
+    )
     std_mean = None
     if "std" in nf and nf["std"] is not None:
-        std_mean = sum(nf["std"][i, t] for i in range(g_mask.shape[0]) for t in range(g_mask.shape[1])
-                       if g_mask[i, t]) / max(num_tokens, 1.0)
+        std_mean = sum(
+            nf["std"][i, t] for i in range(g_mask.shape[0]) for t in range(g_mask.shape[1]) if g_mask[i, t]
+        ) / max(num_tokens, 1.0)
 
     per = np.zeros((N, T))
     for i in range(N):

@@ -11,13 +11,42 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from _coreref import (FEW, SETTINGS, np64, random_rewards, ref_a_grae, ref_batch_whiten, ref_dgpo,
-                      ref_gdpo, ref_group_z, ref_grpo, ref_mc_grpo, ref_ngrpo, ref_rloo, ref_scalar,
-                      ref_sign_reinforce, ref_win_rates, t32, tb)
+from _coreref import (
+    FEW,
+    SETTINGS,
+    np64,
+    random_rewards,
+    ref_a_grae,
+    ref_batch_whiten,
+    ref_dgpo,
+    ref_gdpo,
+    ref_group_z,
+    ref_grpo,
+    ref_mc_grpo,
+    ref_ngrpo,
+    ref_rloo,
+    ref_scalar,
+    ref_sign_reinforce,
+    ref_win_rates,
+    t32,
+    tb,
+)
 from flowgrpo.core import ESTIMATORS, AdvantageConfig, GroupBatch, compute_advantages
 
-SAMPLE_ESTIMATORS = ["grpo", "dr_grpo", "rloo", "batch_whiten", "mc_grpo", "ngrpo", "dgpo", "a_grae",
-                     "w_reinforce", "nsr", "psr", "gdpo"]
+SAMPLE_ESTIMATORS = [
+    "grpo",
+    "dr_grpo",
+    "rloo",
+    "batch_whiten",
+    "mc_grpo",
+    "ngrpo",
+    "dgpo",
+    "a_grae",
+    "w_reinforce",
+    "nsr",
+    "psr",
+    "gdpo",
+]
 
 
 def run(r, valid=None, estimator="grpo", **settings):
@@ -26,20 +55,31 @@ def run(r, valid=None, estimator="grpo", **settings):
 
 
 def close(actual, expected, rtol=1e-4, atol=1e-4):
-    np.testing.assert_allclose(np64(actual) if isinstance(actual, torch.Tensor) else actual, expected,
-                               rtol=rtol, atol=atol)
+    np.testing.assert_allclose(
+        np64(actual) if isinstance(actual, torch.Tensor) else actual, expected, rtol=rtol, atol=atol
+    )
 
 
-dims = dict(seed=st.integers(0, 2**31 - 1), P=st.integers(1, 4), G=st.integers(2, 9),
-            nan=st.sampled_from([0.0, 0.2]), invalid=st.sampled_from([0.0, 0.25]))
+dims = dict(
+    seed=st.integers(0, 2**31 - 1),
+    P=st.integers(1, 4),
+    G=st.integers(2, 9),
+    nan=st.sampled_from([0.0, 0.2]),
+    invalid=st.sampled_from([0.0, 0.25]),
+)
 
 
 # --- every estimator vs. its formula on random inputs ------------------------------------------
 
 
 @SETTINGS
-@given(kind=st.sampled_from(["normal", "binary"]), eps=st.sampled_from([1e-4, 1e-6]), unbiased=st.booleans(),
-       scope=st.sampled_from(["group", "batch", "none"]), **dims)
+@given(
+    kind=st.sampled_from(["normal", "binary"]),
+    eps=st.sampled_from([1e-4, 1e-6]),
+    unbiased=st.booleans(),
+    scope=st.sampled_from(["group", "batch", "none"]),
+    **dims,
+)
 def test_grpo_formula(seed, P, G, nan, invalid, kind, eps, unbiased, scope):
     r, valid = random_rewards(np.random.default_rng(seed), P, G, kind, nan, invalid)
     out = run(r, valid, "grpo", eps=eps, unbiased=unbiased, std_scope=scope)
@@ -131,8 +171,9 @@ def test_gdpo_formula(seed, P, G, nan, invalid, K, policy, unbiased):
     heads, valid = random_rewards(rng, P, G, "normal", nan, invalid, K=K)
     weights = rng.uniform(0.2, 2.0, size=K).astype(np.float32).astype(np.float64)
     batch = GroupBatch(rewards=t32(heads), valid=tb(valid), reward_weights=t32(weights))
-    out = compute_advantages(batch, AdvantageConfig(estimator={"name": "gdpo", "unbiased": unbiased},
-                                                    head_nan_policy=policy))
+    out = compute_advantages(
+        batch, AdvantageConfig(estimator={"name": "gdpo", "unbiased": unbiased}, head_nan_policy=policy)
+    )
     close(out.advantages, ref_gdpo(heads, valid, weights, unbiased=unbiased, policy=policy), rtol=1e-3, atol=1e-3)
 
 
@@ -153,8 +194,13 @@ def test_win_rate_formula(seed, P, G, nan, invalid, nan_pairs):
     close(out.advantages, ref_group_z(rates, 1e-8, True), rtol=1e-3, atol=2e-3)
     live = np.isfinite(rates)
     assert out.metrics["win_rate/mean"] == pytest.approx(rates[live].mean() if live.any() else 0.0, abs=1e-5)
-    unreadable = sum(1 for p in range(P) for i in range(G) for j in range(G)
-                     if i != j and valid[p, i] and valid[p, j] and math.isnan(pref[p, i, j]))
+    unreadable = sum(
+        1
+        for p in range(P)
+        for i in range(G)
+        for j in range(G)
+        if i != j and valid[p, i] and valid[p, j] and math.isnan(pref[p, i, j])
+    )
     assert out.metrics["win_rate/unreadable_pairs"] == unreadable / 2
 
 
@@ -203,8 +249,20 @@ def test_invariant_constant_group_is_filtered_and_counted(value):
     close(out.sample_weight, [[0.0] * 7, [1.0] * 7])
 
 
-NAN_ESTIMATORS = ["grpo", "dr_grpo", "rloo", "batch_whiten", "mc_grpo", "ngrpo", "dgpo", "a_grae", "gdpo",
-                  "w_reinforce", "nsr", "psr"]
+NAN_ESTIMATORS = [
+    "grpo",
+    "dr_grpo",
+    "rloo",
+    "batch_whiten",
+    "mc_grpo",
+    "ngrpo",
+    "dgpo",
+    "a_grae",
+    "gdpo",
+    "w_reinforce",
+    "nsr",
+    "psr",
+]
 
 
 @pytest.mark.parametrize("estimator", NAN_ESTIMATORS)
@@ -224,9 +282,9 @@ def test_invariant_nan_reward_is_left_out_and_gets_zero(estimator, seed, G, n_na
     # the same batch where the NaN samples are padding at the end instead
     packed = np.concatenate([r[0, keep], np.full(n_nan, 123.0)])
     valid = np.ones((2, r.shape[1]), dtype=bool)
-    valid[0, len(keep):] = False
+    valid[0, len(keep) :] = False
     ref = run(np.stack([packed, r[1]]), valid, estimator)
-    close(out.advantages[0, keep], np64(ref.advantages[0, :len(keep)]), rtol=1e-5, atol=1e-6)
+    close(out.advantages[0, keep], np64(ref.advantages[0, : len(keep)]), rtol=1e-5, atol=1e-6)
     close(out.advantages[1], np64(ref.advantages[1]), rtol=1e-5, atol=1e-6)
     assert np.all(np64(out.advantages[0, cols]) == 0.0)
     assert out.metrics["rewards/nan_count"] == float(n_nan)
@@ -241,14 +299,31 @@ def test_invariant_nan_does_not_move_group_mean_dr_grpo():
     assert out.metrics["reward_mean"] == pytest.approx(3.0)
 
 
-RAGGED = ["grpo", "dr_grpo", "rloo", "batch_whiten", "mc_grpo", "ngrpo", "dgpo", "a_grae", "gdpo",
-          "w_reinforce", "nsr", "psr", "win_rate"]
+RAGGED = [
+    "grpo",
+    "dr_grpo",
+    "rloo",
+    "batch_whiten",
+    "mc_grpo",
+    "ngrpo",
+    "dgpo",
+    "a_grae",
+    "gdpo",
+    "w_reinforce",
+    "nsr",
+    "psr",
+    "win_rate",
+]
 
 
 @pytest.mark.parametrize("estimator", RAGGED)
 @FEW
-@given(seed=st.integers(0, 2**31 - 1), G=st.integers(3, 8), pad=st.integers(1, 3),
-       garbage=st.sampled_from([float("nan"), 1e6, -3.0]))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    G=st.integers(3, 8),
+    pad=st.integers(1, 3),
+    garbage=st.sampled_from([float("nan"), 1e6, -3.0]),
+)
 def test_invariant_ragged_group_behaves_like_smaller_group(estimator, seed, G, pad, garbage):
     rng = np.random.default_rng(seed)
     kind = "binary" if estimator in ("w_reinforce", "nsr", "psr", "ngrpo", "a_grae") else "unit"
@@ -282,13 +357,13 @@ def test_invariant_ragged_groups_per_group_estimators_in_one_batch(seed):
     r = np.full((3, 8), np.nan)
     valid = np.zeros((3, 8), dtype=bool)
     for p, g in enumerate(groups):
-        r[p, :len(g)] = g
-        valid[p, :len(g)] = True
+        r[p, : len(g)] = g
+        valid[p, : len(g)] = True
     for est in ["grpo", "rloo", "mc_grpo", "ngrpo", "dr_grpo"]:
         out = run(r, valid, est)
         for p, g in enumerate(groups):
             alone = run(g[None], None, est)
-            close(out.advantages[p, :len(g)], np64(alone.advantages[0]), rtol=1e-5, atol=1e-6)
+            close(out.advantages[p, : len(g)], np64(alone.advantages[0]), rtol=1e-5, atol=1e-6)
         assert out.metrics["rewards/nan_count"] == 0.0
 
 
@@ -316,7 +391,9 @@ def test_invariant_ngrpo_all_zero_group_of_eight():
 
 
 @SETTINGS
-@given(seed=st.integers(0, 2**31 - 1), P=st.integers(1, 5), G=st.integers(2, 10), kind=st.sampled_from(["binary", "unit"]))
+@given(
+    seed=st.integers(0, 2**31 - 1), P=st.integers(1, 5), G=st.integers(2, 10), kind=st.sampled_from(["binary", "unit"])
+)
 def test_invariant_dgpo_abs_sum_is_group_size(seed, P, G, kind):
     r, _ = random_rewards(np.random.default_rng(seed), P, G, kind)
     adv = np64(run(r, None, "dgpo", question_weights=False).advantages)
@@ -403,8 +480,11 @@ def test_scalar_rewards_nan_policies(seed, K, policy):
 
 def test_reward_metrics_per_head_and_counts():
     heads = np.array([[[1.0, 0.0], [3.0, np.nan], [5.0, 2.0]]])
-    batch = GroupBatch(rewards=t32(heads), reward_names=["acc", "fmt"],
-                       step_rewards=t32([[[1.0, np.nan], [0.0, 1.0], [np.nan, np.nan]]]))
+    batch = GroupBatch(
+        rewards=t32(heads),
+        reward_names=["acc", "fmt"],
+        step_rewards=t32([[[1.0, np.nan], [0.0, 1.0], [np.nan, np.nan]]]),
+    )
     m = compute_advantages(batch).metrics
     assert m["rewards/acc/mean"] == pytest.approx(3.0)
     assert m["rewards/acc/std"] == pytest.approx(np.std([1, 3, 5]))
@@ -414,8 +494,10 @@ def test_reward_metrics_per_head_and_counts():
     assert m["rewards/step_nan_count"] == 3.0
     assert m["adv/num_live"] == 3.0 and m["adv/num_positive"] == 1.0 and m["adv/num_negative"] == 1.0
     # a batch where nothing is usable reports NaN means and no live advantages
-    empty = compute_advantages(GroupBatch(rewards=t32([[np.nan, np.nan]]), valid=tb([[True, False]])),
-                               AdvantageConfig(transforms=["filter_zero_std"]))
+    empty = compute_advantages(
+        GroupBatch(rewards=t32([[np.nan, np.nan]]), valid=tb([[True, False]])),
+        AdvantageConfig(transforms=["filter_zero_std"]),
+    )
     assert math.isnan(empty.metrics["reward_mean"]) and math.isnan(empty.metrics["rewards/reward/mean"])
     assert empty.metrics["adv/num_live"] == 0.0
 

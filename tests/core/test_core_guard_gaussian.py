@@ -15,8 +15,12 @@ from flowgrpo.core import LossConfig, LossInputs, gaussian_logprob, guard_log_ra
 
 
 @SETTINGS
-@given(seed=st.integers(0, 2**31 - 1), B=st.integers(1, 4), shape=st.sampled_from([(3,), (2, 3), (4, 2, 2)]),
-       per_sample=st.booleans())
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    B=st.integers(1, 4),
+    shape=st.sampled_from([(3,), (2, 3), (4, 2, 2)]),
+    per_sample=st.booleans(),
+)
 def test_gaussian_logprob_is_the_mean_over_dims(seed, B, shape, per_sample):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(B,) + shape).astype(np.float32)
@@ -26,7 +30,9 @@ def test_gaussian_logprob_is_the_mean_over_dims(seed, B, shape, per_sample):
     for b in range(B):
         sb = float(s[b]) if per_sample else float(s)
         xs, ms = x[b].astype(np.float64).ravel(), mu[b].astype(np.float64).ravel()
-        dens = [-(xi - mi) ** 2 / (2 * sb * sb) - math.log(sb) - 0.5 * math.log(2 * math.pi) for xi, mi in zip(xs, ms)]
+        dens = [
+            -((xi - mi) ** 2) / (2 * sb * sb) - math.log(sb) - 0.5 * math.log(2 * math.pi) for xi, mi in zip(xs, ms)
+        ]
         assert got[b] == pytest.approx(sum(dens) / len(dens), rel=1e-5, abs=1e-5)
     sq = np64(mean_sqdist(torch.tensor(x), torch.tensor(mu)))
     np.testing.assert_allclose(sq, ((x.astype(np.float64) - mu) ** 2).reshape(B, -1).mean(1), rtol=1e-5)
@@ -74,8 +80,9 @@ def test_ratio_norm_in_the_loss_uses_the_guard_log_ratio():
     lp = lp_old + 0.01 * torch.randn(N, T, generator=g)
     std = 0.2 + torch.rand(N, T, generator=g)
     msd = 0.001 * torch.rand(N, T, generator=g)
-    li = LossInputs(lp, lp_old, torch.randn(N, generator=g), torch.ones(N, T, dtype=torch.bool),
-                    mean_sqdist_old=msd, std=std)
+    li = LossInputs(
+        lp, lp_old, torch.randn(N, generator=g), torch.ones(N, T, dtype=torch.bool), mean_sqdist_old=msd, std=std
+    )
     out = policy_loss(li, LossConfig(ratio="ratio_norm", bounds={"name": "symmetric", "eps": 1.0}))
     r = np.exp(np64(std) * (np64(lp) - np64(lp_old) + np64(msd) / (2 * np64(std) ** 2)))
     assert out.metrics["ratio/mean"] == pytest.approx(r.mean(), rel=1e-5)

@@ -12,8 +12,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from _coreref import FEW, SETTINGS, np64, ref_policy_loss
-from flowgrpo.core import (AGGREGATIONS, BOUNDS, KL_ESTIMATORS, PRESETS, RATIOS, STEP_WEIGHTINGS, SURROGATES,
-                           LossConfig, LossInputs, LossNormalizer, policy_loss)
+from flowgrpo.core import (
+    AGGREGATIONS,
+    BOUNDS,
+    KL_ESTIMATORS,
+    PRESETS,
+    RATIOS,
+    STEP_WEIGHTINGS,
+    SURROGATES,
+    LossConfig,
+    LossInputs,
+    LossNormalizer,
+    policy_loss,
+)
 
 
 def make_inputs(rng, N=5, T=6, per_token_adv=False, sample_weight=False, spread=0.3, ragged=True):
@@ -45,32 +56,67 @@ def to_inputs(inp, requires_grad=False, adv_rows=False) -> LossInputs:
     logp = t(inp["logp"]).requires_grad_(requires_grad)
     adv = t(inp["adv"][:, 0]) if adv_rows else t(inp["adv"])
     sw = None if inp["sw"] is None else t(inp["sw"][:, 0])
-    return LossInputs(logp=logp, logp_old=t(inp["logp_old"]), advantages=adv, mask=torch.tensor(inp["mask"]),
-                      sample_weight=sw, logp_ref=t(inp["logp_ref"]), entropy=t(inp["entropy"]),
-                      mean_sqdist_old=t(inp["msd_old"]), mean_sqdist_ref=t(inp["msd_ref"]), std=t(inp["std"]),
-                      dt=t(inp["dt"]))
+    return LossInputs(
+        logp=logp,
+        logp_old=t(inp["logp_old"]),
+        advantages=adv,
+        mask=torch.tensor(inp["mask"]),
+        sample_weight=sw,
+        logp_ref=t(inp["logp_ref"]),
+        entropy=t(inp["entropy"]),
+        mean_sqdist_old=t(inp["msd_old"]),
+        mean_sqdist_ref=t(inp["msd_ref"]),
+        std=t(inp["std"]),
+        dt=t(inp["dt"]),
+    )
 
 
 def config_of(ref: dict) -> LossConfig:
     """The LossConfig of a reference cfg dict."""
     b, s = ref.get("bounds", ("symmetric", {})), ref.get("surrogate", ("ppo_clip", {}))
     k = ref.get("kl", ("k3", 0.0))
-    return LossConfig(ratio=ref.get("ratio", "token"), bounds={"name": b[0], **b[1]}, surrogate={"name": s[0], **s[1]},
-                      step_weighting=ref.get("weighting", "none"), aggregation=ref.get("aggregation", "token_mean"),
-                      kl={"estimator": k[0], "coef": k[1]}, entropy_coef=ref.get("entropy_coef", 0.0),
-                      log_ratio_clamp=ref.get("clamp", 20.0))
+    return LossConfig(
+        ratio=ref.get("ratio", "token"),
+        bounds={"name": b[0], **b[1]},
+        surrogate={"name": s[0], **s[1]},
+        step_weighting=ref.get("weighting", "none"),
+        aggregation=ref.get("aggregation", "token_mean"),
+        kl={"estimator": k[0], "coef": k[1]},
+        entropy_coef=ref.get("entropy_coef", 0.0),
+        log_ratio_clamp=ref.get("clamp", 20.0),
+    )
 
 
 RATIO_NAMES = ["token", "sequence", "sequence_token", "ratio_norm"]
-BOUND_SPECS = [("symmetric", {}), ("symmetric", {"eps": 0.1}), ("asymmetric", {}),
-               ("asymmetric", {"eps_low": 0.1, "eps_high": 0.3}), ("dcpo", {}), ("dcpo", {"eps_low": 0.05, "eps_high": 0.5})]
-SURROGATE_SPECS = [("ppo_clip", {}), ("ppo_clip", {"dual_clip": 3.0}), ("ppo_clip", {"dual_clip": 1.5}),
-                   ("ppo_clip", {"delta": 1.1}), ("ppo_clip", {"delta": 1.3, "dual_clip": 2.0}), ("sapo", {}),
-                   ("sapo", {"tau_pos": 2.0, "tau_neg": 0.5}), ("cispo", {}), ("reinforce", {})]
+BOUND_SPECS = [
+    ("symmetric", {}),
+    ("symmetric", {"eps": 0.1}),
+    ("asymmetric", {}),
+    ("asymmetric", {"eps_low": 0.1, "eps_high": 0.3}),
+    ("dcpo", {}),
+    ("dcpo", {"eps_low": 0.05, "eps_high": 0.5}),
+]
+SURROGATE_SPECS = [
+    ("ppo_clip", {}),
+    ("ppo_clip", {"dual_clip": 3.0}),
+    ("ppo_clip", {"dual_clip": 1.5}),
+    ("ppo_clip", {"delta": 1.1}),
+    ("ppo_clip", {"delta": 1.3, "dual_clip": 2.0}),
+    ("sapo", {}),
+    ("sapo", {"tau_pos": 2.0, "tau_neg": 0.5}),
+    ("cispo", {}),
+    ("reinforce", {}),
+]
 WEIGHTINGS = ["none", "inv_dt", "noise_aware"]
 KL_SPECS = [("k3", 0.0), ("k1", 0.1), ("k2", 0.2), ("k3", 0.05), ("k3+", 0.3), ("gaussian", 0.5), ("flow_grpo", 0.5)]
-AGGS = ["token_mean", "local_token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm",
-        "balanced"]
+AGGS = [
+    "token_mean",
+    "local_token_mean",
+    "seq_mean_token_mean",
+    "seq_mean_token_sum",
+    "seq_mean_token_sum_norm",
+    "balanced",
+]
 
 
 def test_every_part_is_in_the_reference():
@@ -83,16 +129,34 @@ def test_every_part_is_in_the_reference():
 
 
 @SETTINGS
-@given(seed=st.integers(0, 2**31 - 1), ratio=st.sampled_from(RATIO_NAMES), bounds=st.sampled_from(BOUND_SPECS),
-       surrogate=st.sampled_from(SURROGATE_SPECS), weighting=st.sampled_from(WEIGHTINGS), kl=st.sampled_from(KL_SPECS),
-       aggregation=st.sampled_from(AGGS), entropy=st.sampled_from([0.0, 0.01]), per_token=st.booleans(),
-       sw=st.booleans(), clamp=st.sampled_from([20.0, 0.25]))
-def test_policy_loss_matches_reference(seed, ratio, bounds, surrogate, weighting, kl, aggregation, entropy, per_token,
-                                       sw, clamp):
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    ratio=st.sampled_from(RATIO_NAMES),
+    bounds=st.sampled_from(BOUND_SPECS),
+    surrogate=st.sampled_from(SURROGATE_SPECS),
+    weighting=st.sampled_from(WEIGHTINGS),
+    kl=st.sampled_from(KL_SPECS),
+    aggregation=st.sampled_from(AGGS),
+    entropy=st.sampled_from([0.0, 0.01]),
+    per_token=st.booleans(),
+    sw=st.booleans(),
+    clamp=st.sampled_from([20.0, 0.25]),
+)
+def test_policy_loss_matches_reference(
+    seed, ratio, bounds, surrogate, weighting, kl, aggregation, entropy, per_token, sw, clamp
+):
     rng = np.random.default_rng(seed)
     inp = make_inputs(rng, per_token_adv=per_token, sample_weight=sw)
-    cfg = dict(ratio=ratio, bounds=bounds, surrogate=surrogate, weighting=weighting, kl=kl, aggregation=aggregation,
-               entropy_coef=entropy, clamp=clamp)
+    cfg = dict(
+        ratio=ratio,
+        bounds=bounds,
+        surrogate=surrogate,
+        weighting=weighting,
+        kl=kl,
+        aggregation=aggregation,
+        entropy_coef=entropy,
+        clamp=clamp,
+    )
     out = policy_loss(to_inputs(inp), config_of(cfg))
     loss, per = ref_policy_loss(inp, cfg)
     assert float(out.loss.detach()) == pytest.approx(loss, rel=1e-4, abs=1e-5)
@@ -131,8 +195,11 @@ def grad_of(inp, cfg, adv_rows=False):
 
 
 @FEW
-@given(seed=st.integers(0, 2**31 - 1), agg=st.sampled_from(["token_mean", "seq_mean_token_mean"]),
-       taus=st.sampled_from([(1.0, 1.05), (2.0, 0.5)]))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    agg=st.sampled_from(["token_mean", "seq_mean_token_mean"]),
+    taus=st.sampled_from([(1.0, 1.05), (2.0, 0.5)]),
+)
 def test_sapo_gradient_at_ratio_one_is_the_policy_gradient(seed, agg, taus):
     rng = np.random.default_rng(seed)
     inp = make_inputs(rng, per_token_adv=True)
@@ -151,8 +218,11 @@ def test_sapo_gradient_at_ratio_one_is_the_policy_gradient(seed, agg, taus):
 
 
 @FEW
-@given(seed=st.integers(0, 2**31 - 1), agg=st.sampled_from(["seq_mean_token_mean", "token_mean"]),
-       eps=st.sampled_from([(3e-4, 4e-4), (0.2, 0.28)]))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    agg=st.sampled_from(["seq_mean_token_mean", "token_mean"]),
+    eps=st.sampled_from([(3e-4, 4e-4), (0.2, 0.28)]),
+)
 def test_gspo_token_with_constant_advantage_equals_gspo(seed, agg, eps):
     rng = np.random.default_rng(seed)
     inp = make_inputs(rng, spread=eps[1] * 3)  # some sequences clipped, some not
@@ -164,8 +234,11 @@ def test_gspo_token_with_constant_advantage_equals_gspo(seed, agg, eps):
     # and GSPO's gradient is the formula: -A s_i / |o_i| per token of an unclipped sequence, 0 if clipped
     m, A = inp["mask"], inp["adv"][:, 0]
     lengths = m.sum(1)
-    s = np.exp(np.array([(inp["logp"][i, m[i]] - inp["logp_old"][i, m[i]]).mean() if lengths[i] else 0.0
-                         for i in range(len(A))]))
+    s = np.exp(
+        np.array(
+            [(inp["logp"][i, m[i]] - inp["logp_old"][i, m[i]]).mean() if lengths[i] else 0.0 for i in range(len(A))]
+        )
+    )
     clipped = ((A > 0) & (s > 1 + eps[1])) | ((A < 0) & (s < 1 - eps[0]))
     if agg == "seq_mean_token_mean":
         scale = 1.0 / (np.maximum(lengths, 1) * (lengths > 0).sum())
@@ -187,8 +260,10 @@ def test_gspo_token_allows_per_token_advantages():
 
 
 @FEW
-@given(seed=st.integers(0, 2**31 - 1), bounds=st.sampled_from([("asymmetric", {"eps_low": 1.0, "eps_high": 4.0}),
-                                                               ("symmetric", {"eps": 0.1})]))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    bounds=st.sampled_from([("asymmetric", {"eps_low": 1.0, "eps_high": 4.0}), ("symmetric", {"eps": 0.1})]),
+)
 def test_cispo_weight_carries_no_gradient(seed, bounds):
     inp = make_inputs(np.random.default_rng(seed), per_token_adv=True, spread=0.5)
     _, g = grad_of(inp, dict(surrogate=("cispo", {}), bounds=bounds))
@@ -227,11 +302,22 @@ def test_kl_estimator_values_and_gradients(name):
     out, g = grad_of(inp, dict(kl=(name, 0.5)))
     m = inp["mask"]
     x = inp["logp"] - inp["logp_ref"]  # log pi - log pi_ref
-    value = {"k1": x, "k2": 0.5 * x**2, "k3": np.exp(-x) + x - 1, "k3+": np.exp(-x) + x - 1,
-             "gaussian": inp["msd_ref"] / (2 * inp["std"] ** 2),
-             "flow_grpo": inp["msd_ref"] * inp["dt"] / (2 * inp["std"] ** 2)}[name]
-    grad = {"k1": np.ones_like(x), "k2": x, "k3": 1 - np.exp(-x), "k3+": x, "gaussian": np.zeros_like(x),
-            "flow_grpo": np.zeros_like(x)}[name]
+    value = {
+        "k1": x,
+        "k2": 0.5 * x**2,
+        "k3": np.exp(-x) + x - 1,
+        "k3+": np.exp(-x) + x - 1,
+        "gaussian": inp["msd_ref"] / (2 * inp["std"] ** 2),
+        "flow_grpo": inp["msd_ref"] * inp["dt"] / (2 * inp["std"] ** 2),
+    }[name]
+    grad = {
+        "k1": np.ones_like(x),
+        "k2": x,
+        "k3": 1 - np.exp(-x),
+        "k3+": x,
+        "gaussian": np.zeros_like(x),
+        "flow_grpo": np.zeros_like(x),
+    }[name]
     assert float(out.loss.detach()) == pytest.approx(0.5 * value[m].mean(), rel=1e-5)
     assert out.metrics["kl/ref_mean"] == pytest.approx(value[m].mean(), rel=1e-5)
     np.testing.assert_allclose(g, np.where(m, 0.5 * grad / m.sum(), 0.0), rtol=1e-4, atol=1e-8)
@@ -290,7 +376,9 @@ def test_entropy_bonus():
     base = policy_loss(to_inputs(inp), LossConfig())
     out = policy_loss(to_inputs(inp), LossConfig(entropy_coef=0.1))
     m = inp["mask"]
-    assert float(out.loss.detach()) == pytest.approx(float(base.loss.detach()) - 0.1 * inp["entropy"][m].mean(), rel=1e-5, abs=1e-7)
+    assert float(out.loss.detach()) == pytest.approx(
+        float(base.loss.detach()) - 0.1 * inp["entropy"][m].mean(), rel=1e-5, abs=1e-7
+    )
     assert out.metrics["entropy/mean"] == pytest.approx(inp["entropy"][m].mean(), rel=1e-5)
 
 
@@ -353,13 +441,15 @@ PRESET_REFERENCE = {
     "bnpo": dict(bounds=("symmetric", {"eps": 0.2}), aggregation="local_token_mean"),
     "dr_grpo": dict(bounds=("symmetric", {"eps": 0.2}), aggregation="seq_mean_token_sum_norm"),
     "dapo": dict(bounds=("asymmetric", {"eps_low": 0.2, "eps_high": 0.28}), aggregation="token_mean"),
-    "gspo": dict(ratio="sequence", bounds=("asymmetric", {"eps_low": 3e-4, "eps_high": 4e-4}),
-                 aggregation="seq_mean_token_mean"),
+    "gspo": dict(
+        ratio="sequence", bounds=("asymmetric", {"eps_low": 3e-4, "eps_high": 4e-4}), aggregation="seq_mean_token_mean"
+    ),
     "sapo": dict(surrogate=("sapo", {"tau_pos": 1.0, "tau_neg": 1.05}), aggregation="seq_mean_token_mean"),
     "cispo": None,  # TRL: -sg[min(rho, 5)] A log pi, global token mean (checked inline below)
     "flow_grpo": dict(bounds=("symmetric", {"eps": 1e-4}), aggregation="token_mean"),
-    "grpo_guard": dict(ratio="ratio_norm", bounds=("symmetric", {"eps": 1e-4}), aggregation="token_mean",
-                       weighting="inv_dt"),
+    "grpo_guard": dict(
+        ratio="ratio_norm", bounds=("symmetric", {"eps": 1e-4}), aggregation="token_mean", weighting="inv_dt"
+    ),
 }
 
 
@@ -404,8 +494,13 @@ def random_split(rng, N, parts):
 
 
 @SETTINGS
-@given(seed=st.integers(0, 2**31 - 1), agg=st.sampled_from(INVARIANT_AGGS), parts=st.integers(2, 5),
-       weighting=st.sampled_from(["none", "noise_aware"]), per_token=st.booleans())
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    agg=st.sampled_from(INVARIANT_AGGS),
+    parts=st.integers(2, 5),
+    weighting=st.sampled_from(["none", "noise_aware"]),
+    per_token=st.booleans(),
+)
 def test_global_normalizer_makes_micro_batching_invariant(seed, agg, parts, weighting, per_token):
     rng = np.random.default_rng(seed)
     inp = make_inputs(rng, N=8, T=6, per_token_adv=per_token, sample_weight=True)

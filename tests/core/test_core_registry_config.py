@@ -8,8 +8,19 @@ import re
 import pytest
 import torch
 
-from flowgrpo.core import (ESTIMATORS, PRESETS, AdvantageConfig, GroupBatch, KLSpec, LossConfig, PartSpec, Registry,
-                           TreeStructure, UnknownNameError, compute_advantages)
+from flowgrpo.core import (
+    ESTIMATORS,
+    PRESETS,
+    AdvantageConfig,
+    GroupBatch,
+    KLSpec,
+    LossConfig,
+    PartSpec,
+    Registry,
+    TreeStructure,
+    UnknownNameError,
+    compute_advantages,
+)
 from flowgrpo.core.losses import AGGREGATIONS, BOUNDS, RATIOS, SURROGATES
 from flowgrpo.core.transforms import TRANSFORMS
 
@@ -57,7 +68,9 @@ def test_registry_rejects_duplicates():
 
 def test_registry_unknown_name_lists_valid_names_and_suggests():
     reg = make_registry()
-    with pytest.raises(UnknownNameError, match=r"unknown widget 'tuend' \(did you mean 'tuned'\?\); valid names: \['plain', 'tuned'\]"):
+    with pytest.raises(
+        UnknownNameError, match=r"unknown widget 'tuend' \(did you mean 'tuned'\?\); valid names: \['plain', 'tuned'\]"
+    ):
         reg.get("tuend")
     with pytest.raises(ValueError, match=r"valid names: \['plain', 'tuned'\]") as e:
         reg.get("zzzzzz")
@@ -66,7 +79,10 @@ def test_registry_unknown_name_lists_valid_names_and_suggests():
 
 def test_registry_unknown_setting_lists_valid_settings():
     reg = make_registry()
-    with pytest.raises(ValueError, match=r"'tuned' has no setting 'alpah' \(did you mean 'alpha'\?\); valid settings: \['alpha', 'beta'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"'tuned' has no setting 'alpah' \(did you mean 'alpha'\?\); valid settings: \['alpha', 'beta'\]",
+    ):
         reg.get("tuned").check_settings({"alpah": 1}, "widget")
     with pytest.raises(ValueError, match="valid settings: none"):
         reg.get("plain").check_settings({"x": 1}, "widget")
@@ -88,13 +104,24 @@ def test_advantage_config_errors_list_valid_names():
     with pytest.raises(ValueError, match=r"unknown advantage estimator 'grop' \(did you mean 'grpo'\?\)") as e:
         AdvantageConfig(estimator="grop")
     assert str(ESTIMATORS.names()) in str(e.value)
-    with pytest.raises(ValueError, match=r"advantage estimator 'grpo' has no setting 'epsilon'.*valid settings: \['eps', 'std_scope', 'unbiased'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"advantage estimator 'grpo' has no setting 'epsilon'.*valid settings: \['eps', 'std_scope', 'unbiased'\]",
+    ):
         AdvantageConfig(estimator={"name": "grpo", "epsilon": 1e-6})
-    with pytest.raises(ValueError, match=r"unknown advantage transform 'clipp'.*valid names: \['clip', 'filter_zero_std', 'nft_optimality', 'top_bottom_k'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown advantage transform 'clipp'.*valid names: \['clip', 'filter_zero_std', 'nft_optimality', 'top_bottom_k'\]",
+    ):
         AdvantageConfig(transforms=["clipp"])
-    with pytest.raises(ValueError, match=r"advantage transform 'clip' has no setting 'maximum'.*valid settings: \['max'\]"):
+    with pytest.raises(
+        ValueError, match=r"advantage transform 'clip' has no setting 'maximum'.*valid settings: \['max'\]"
+    ):
         AdvantageConfig(transforms=[{"name": "clip", "maximum": 3}])
-    with pytest.raises(ValueError, match=r"unknown key 'estimater' \(did you mean 'estimator'\?\); valid keys: \['estimator', 'head_nan_policy', 'transforms'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown key 'estimater' \(did you mean 'estimator'\?\); valid keys: \['estimator', 'head_nan_policy', 'transforms'\]",
+    ):
         AdvantageConfig.model_validate({"estimater": "grpo"})
     with pytest.raises(ValueError, match="head_nan_policy"):
         AdvantageConfig(head_nan_policy="drop")
@@ -109,26 +136,38 @@ def test_every_estimator_and_transform_setting_is_accepted():
 
 
 def test_loss_config_errors_list_valid_names():
-    with pytest.raises(ValueError, match=r"unknown loss preset 'dapoo' \(did you mean 'dapo'\?\); valid presets: ") as e:
+    with pytest.raises(
+        ValueError, match=r"unknown loss preset 'dapoo' \(did you mean 'dapo'\?\); valid presets: "
+    ) as e:
         LossConfig(preset="dapoo")
     assert str(sorted(PRESETS)) in str(e.value)
-    for key, value, slot, registry in [("ratio", "tokn", "ratio", RATIOS), ("bounds", "asymetric", "bounds", BOUNDS),
-                                       ("surrogate", "ppo", "surrogate", SURROGATES),
-                                       ("aggregation", "token_means", "aggregation", AGGREGATIONS),
-                                       ("step_weighting", "invdt", "step weighting", None)]:
+    for key, value, slot, registry in [
+        ("ratio", "tokn", "ratio", RATIOS),
+        ("bounds", "asymetric", "bounds", BOUNDS),
+        ("surrogate", "ppo", "surrogate", SURROGATES),
+        ("aggregation", "token_means", "aggregation", AGGREGATIONS),
+        ("step_weighting", "invdt", "step weighting", None),
+    ]:
         with pytest.raises(ValueError, match=f"unknown {slot} '{value}'") as e:
             LossConfig(**{key: value})
         if registry is not None:
             assert str(registry.names()) in str(e.value)
-    with pytest.raises(ValueError, match=r"unknown KL estimator 'k4'.*valid names: \['flow_grpo', 'gaussian', 'k1', 'k2', 'k3', 'k3\+'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown KL estimator 'k4'.*valid names: \['flow_grpo', 'gaussian', 'k1', 'k2', 'k3', 'k3\+'\]",
+    ):
         LossConfig(kl={"estimator": "k4", "coef": 0.1})
     with pytest.raises(ValueError, match=r"bounds 'symmetric' has no setting 'eps_high'.*valid settings: \['eps'\]"):
         LossConfig(bounds={"name": "symmetric", "eps_high": 0.3})
-    with pytest.raises(ValueError, match=r"surrogate 'ppo_clip' has no setting 'dualclip' \(did you mean 'dual_clip'\?\)"):
+    with pytest.raises(
+        ValueError, match=r"surrogate 'ppo_clip' has no setting 'dualclip' \(did you mean 'dual_clip'\?\)"
+    ):
         LossConfig(surrogate={"name": "ppo_clip", "dualclip": 3.0})
     with pytest.raises(ValueError, match=r"unknown key 'entropy' \(did you mean 'entropy_coef'\?\)"):
         LossConfig.model_validate({"entropy": 0.1})
-    with pytest.raises(ValueError, match=r"unknown key 'coeff' \(did you mean 'coef'\?\); valid keys: \['coef', 'estimator'\]"):
+    with pytest.raises(
+        ValueError, match=r"unknown key 'coeff' \(did you mean 'coef'\?\); valid keys: \['coef', 'estimator'\]"
+    ):
         KLSpec.model_validate({"coeff": 0.1})
 
 
@@ -175,7 +214,12 @@ def test_default_configs():
     assert AdvantageConfig().estimator.name == "grpo" and AdvantageConfig().transforms == []
     cfg = LossConfig()
     assert (cfg.ratio.name, cfg.bounds.name, cfg.surrogate.name, cfg.aggregation.name, cfg.step_weighting.name) == (
-        "token", "symmetric", "ppo_clip", "token_mean", "none")
+        "token",
+        "symmetric",
+        "ppo_clip",
+        "token_mean",
+        "none",
+    )
     assert cfg.kl.coef == 0.0 and cfg.entropy_coef == 0.0
 
 
@@ -189,21 +233,34 @@ def test_group_batch_needs_a_source():
         GroupBatch(rewards=torch.zeros(3))
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    (dict(rewards=torch.zeros(2, 3, 4, 5)), "rewards"),
-    (dict(rewards=torch.zeros(2, 3, dtype=torch.long)), "rewards"),
-    (dict(rewards=torch.zeros(2, 3), valid=torch.ones(2, 4, dtype=torch.bool)), "valid"),
-    (dict(rewards=torch.zeros(2, 3), valid=torch.ones(2, 3)), "valid"),
-    (dict(rewards=torch.zeros(2, 3, 2), reward_weights=[1.0, 2.0, 3.0]), "reward_weights"),
-    (dict(rewards=torch.zeros(2, 3, 2), reward_names=["a"]), "reward_names"),
-    (dict(rewards=torch.zeros(2, 3), step_rewards=torch.zeros(2, 4, 5)), "step_rewards"),
-    (dict(rewards=torch.zeros(2, 3), step_rewards=torch.zeros(2, 3, 5), step_mask=torch.ones(2, 3, 4, dtype=torch.bool)), "step_mask"),
-    (dict(rewards=torch.zeros(2, 3), step_rewards=torch.zeros(2, 3, 5), step_mask=torch.ones(2, 3, 5)), "step_mask"),
-    (dict(rewards=torch.zeros(2, 3), step_mask=torch.ones(2, 3, 5, dtype=torch.bool)), "step_mask"),
-    (dict(rewards=torch.zeros(2, 3), preferences=torch.zeros(2, 3, 4)), "preferences"),
-    (dict(rewards=torch.zeros(2, 3), lengths=torch.zeros(3, 2)), "lengths"),
-    (dict(rewards=torch.zeros(2, 3), valid=[[True] * 3] * 2), "valid"),
-])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(rewards=torch.zeros(2, 3, 4, 5)), "rewards"),
+        (dict(rewards=torch.zeros(2, 3, dtype=torch.long)), "rewards"),
+        (dict(rewards=torch.zeros(2, 3), valid=torch.ones(2, 4, dtype=torch.bool)), "valid"),
+        (dict(rewards=torch.zeros(2, 3), valid=torch.ones(2, 3)), "valid"),
+        (dict(rewards=torch.zeros(2, 3, 2), reward_weights=[1.0, 2.0, 3.0]), "reward_weights"),
+        (dict(rewards=torch.zeros(2, 3, 2), reward_names=["a"]), "reward_names"),
+        (dict(rewards=torch.zeros(2, 3), step_rewards=torch.zeros(2, 4, 5)), "step_rewards"),
+        (
+            dict(
+                rewards=torch.zeros(2, 3),
+                step_rewards=torch.zeros(2, 3, 5),
+                step_mask=torch.ones(2, 3, 4, dtype=torch.bool),
+            ),
+            "step_mask",
+        ),
+        (
+            dict(rewards=torch.zeros(2, 3), step_rewards=torch.zeros(2, 3, 5), step_mask=torch.ones(2, 3, 5)),
+            "step_mask",
+        ),
+        (dict(rewards=torch.zeros(2, 3), step_mask=torch.ones(2, 3, 5, dtype=torch.bool)), "step_mask"),
+        (dict(rewards=torch.zeros(2, 3), preferences=torch.zeros(2, 3, 4)), "preferences"),
+        (dict(rewards=torch.zeros(2, 3), lengths=torch.zeros(3, 2)), "lengths"),
+        (dict(rewards=torch.zeros(2, 3), valid=[[True] * 3] * 2), "valid"),
+    ],
+)
 def test_group_batch_shape_errors_name_the_argument(kwargs, name):
     with pytest.raises(ValueError, match=rf"^{name}: "):
         GroupBatch(**kwargs)
@@ -214,21 +271,26 @@ def tree(parent, depth, leaf, **kw):
     return TreeStructure(t(parent), t(depth), t(leaf), **{k: t(v) for k, v in kw.items()})
 
 
-@pytest.mark.parametrize("tree_kwargs, name", [
-    (dict(parent=[-1, 0, 0], depth=[0, 1], leaf=[1, 2]), "tree.depth"),
-    (dict(parent=[-1, 0, 0], depth=[0, 1, 1], leaf=[1, 2, 2]), "tree.leaf_index"),
-    (dict(parent=[-1, 0, 0], depth=[0, 1, 1], leaf=[1, 2], node_valid=[True, True]), "tree.node_valid"),
-    (dict(parent=[-1, 0, 0], depth=[0, 1, 1], leaf=[1, 2], edge_logp=[0.0, 0.0]), "tree.edge_logp"),
-    (dict(parent=[-1, 0, 3], depth=[0, 1, 1], leaf=[1, 2]), "tree.parent"),
-    (dict(parent=[-2, 0, 0], depth=[0, 1, 1], leaf=[1, 2]), "tree.parent"),
-    (dict(parent=[-1, 0, 0], depth=[0, 1, 1], leaf=[1, 3]), "tree.leaf_index"),
-    (dict(parent=[-1, 0, 1], depth=[0, 1, 1], leaf=[1, 2]), "tree.depth"),
-])
+@pytest.mark.parametrize(
+    "tree_kwargs, name",
+    [
+        (dict(parent=[-1, 0, 0], depth=[0, 1], leaf=[1, 2]), "tree.depth"),
+        (dict(parent=[-1, 0, 0], depth=[0, 1, 1], leaf=[1, 2, 2]), "tree.leaf_index"),
+        (dict(parent=[-1, 0, 0], depth=[0, 1, 1], leaf=[1, 2], node_valid=[True, True]), "tree.node_valid"),
+        (dict(parent=[-1, 0, 0], depth=[0, 1, 1], leaf=[1, 2], edge_logp=[0.0, 0.0]), "tree.edge_logp"),
+        (dict(parent=[-1, 0, 3], depth=[0, 1, 1], leaf=[1, 2]), "tree.parent"),
+        (dict(parent=[-2, 0, 0], depth=[0, 1, 1], leaf=[1, 2]), "tree.parent"),
+        (dict(parent=[-1, 0, 0], depth=[0, 1, 1], leaf=[1, 3]), "tree.leaf_index"),
+        (dict(parent=[-1, 0, 1], depth=[0, 1, 1], leaf=[1, 2]), "tree.depth"),
+    ],
+)
 def test_tree_shape_errors_name_the_field(tree_kwargs, name):
     with pytest.raises(ValueError, match=rf"^{re.escape(name)}: "):
         GroupBatch(rewards=torch.zeros(1, 2), tree=tree(**tree_kwargs))
     with pytest.raises(ValueError, match=r"^tree\.parent: expected shape \[1, \*\]"):
-        GroupBatch(rewards=torch.zeros(1, 2), tree=TreeStructure(torch.tensor([-1]), torch.tensor([0]), torch.tensor([[0, 0]])))
+        GroupBatch(
+            rewards=torch.zeros(1, 2), tree=TreeStructure(torch.tensor([-1]), torch.tensor([0]), torch.tensor([[0, 0]]))
+        )
 
 
 def test_group_batch_defaults_and_properties():

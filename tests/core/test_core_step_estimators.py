@@ -11,8 +11,17 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from _coreref import (SETTINGS, np64, random_rewards, ref_step_z, ref_tree_depth,
-                      ref_turning_point_rewards, ref_value_anchored, t32, tb)
+from _coreref import (
+    SETTINGS,
+    np64,
+    random_rewards,
+    ref_step_z,
+    ref_tree_depth,
+    ref_turning_point_rewards,
+    ref_value_anchored,
+    t32,
+    tb,
+)
 from flowgrpo.core import AdvantageConfig, GroupBatch, TreeStructure, compute_advantages
 
 
@@ -21,8 +30,11 @@ def close(actual, expected, rtol=1e-4, atol=1e-4):
 
 
 def step_run(R, estimator, step_mask=None, valid=None, **settings):
-    batch = GroupBatch(step_rewards=t32(R), step_mask=None if step_mask is None else tb(step_mask),
-                       valid=None if valid is None else tb(valid))
+    batch = GroupBatch(
+        step_rewards=t32(R),
+        step_mask=None if step_mask is None else tb(step_mask),
+        valid=None if valid is None else tb(valid),
+    )
     return compute_advantages(batch, AdvantageConfig(estimator={"name": estimator, **settings}))
 
 
@@ -30,8 +42,14 @@ def step_run(R, estimator, step_mask=None, valid=None, **settings):
 
 
 @SETTINGS
-@given(seed=st.integers(0, 2**31 - 1), P=st.integers(1, 3), k=st.integers(2, 7), T=st.integers(1, 5),
-       unbiased=st.booleans(), holes=st.booleans())
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    P=st.integers(1, 3),
+    k=st.integers(2, 7),
+    T=st.integers(1, 5),
+    unbiased=st.booleans(),
+    holes=st.booleans(),
+)
 def test_sibling_formula(seed, P, k, T, unbiased, holes):
     rng = np.random.default_rng(seed)
     R = rng.normal(size=(P, k, T)).astype(np.float32).astype(np.float64)
@@ -56,10 +74,10 @@ def test_sibling_constant_branch_point_gives_zero():
 
 # Four hand-made chains of probe rewards R_0 (pure ODE) .. R_3 (final SDE sample), T = 3 steps.
 # Step reward R~_k = B_k = R_3 - R_{k-1} at a turning point, d_k = R_k - R_{k-1} elsewhere.
-INCREASING = [0.0, 1.0, 2.0, 3.0]   # d = 1,1,1; trend +3; k=1 turns (d_1 and R_3 - R_1 agree) -> 3, 1, 1
-DIP = [1.0, 0.0, 2.0, 3.0]          # d = -1,2,1; trend +2; k=1 no; k=2 turns (s_1<0, s_2>0, R_3>R_2) -> -1, 3, 1
-DECREASING = [3.0, 2.0, 1.5, 0.0]   # d = -1,-.5,-1.5; trend -3; k=1 turns -> -3, -0.5, -1.5
-FLAT = [1.0, 1.0, 1.0, 1.0]         # nothing moves -> 0, 0, 0
+INCREASING = [0.0, 1.0, 2.0, 3.0]  # d = 1,1,1; trend +3; k=1 turns (d_1 and R_3 - R_1 agree) -> 3, 1, 1
+DIP = [1.0, 0.0, 2.0, 3.0]  # d = -1,2,1; trend +2; k=1 no; k=2 turns (s_1<0, s_2>0, R_3>R_2) -> -1, 3, 1
+DECREASING = [3.0, 2.0, 1.5, 0.0]  # d = -1,-.5,-1.5; trend -3; k=1 turns -> -3, -0.5, -1.5
+FLAT = [1.0, 1.0, 1.0, 1.0]  # nothing moves -> 0, 0, 0
 HAND = {
     "increasing": ([3.0, 1.0, 1.0], [True, False, False]),
     "dip": ([-1.0, 3.0, 1.0], [False, True, False]),
@@ -90,8 +108,8 @@ def test_turning_point_increasing_chain_alone():
 def test_turning_point_balancing_keeps_equal_positive_and_negative():
     """Three rising chains turn at k=1 (trend +3, +5, +4) and one falling chain (trend -3): balancing keeps
     the largest positive one (+5) and the negative one; the two others fall back to d_k."""
-    rise5 = [0.0, 1.0, 3.0, 5.0]     # d = 1,2,2 -> B_1 = 5
-    rise4 = [0.0, 2.0, 3.0, 4.0]     # d = 2,1,1 -> B_1 = 4
+    rise5 = [0.0, 1.0, 3.0, 5.0]  # d = 1,2,2 -> B_1 = 5
+    rise4 = [0.0, 2.0, 3.0, 4.0]  # d = 2,1,1 -> B_1 = 4
     R = np.array([[INCREASING, rise5, rise4, DECREASING]])
     out = step_run(R, "turning_point", balance=True)
     kept = np.array([[[1.0, 1.0, 1.0], [5.0, 2.0, 2.0], [2.0, 1.0, 1.0], [-3.0, -0.5, -1.5]]])
@@ -105,8 +123,15 @@ def test_turning_point_balancing_keeps_equal_positive_and_negative():
 
 
 @SETTINGS
-@given(seed=st.integers(0, 2**31 - 1), P=st.integers(1, 3), G=st.integers(2, 6), T=st.integers(1, 6),
-       balance=st.booleans(), by=st.sampled_from(["trend", "bonus"]), eta=st.sampled_from([1.0, 0.5]))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    P=st.integers(1, 3),
+    G=st.integers(2, 6),
+    T=st.integers(1, 6),
+    balance=st.booleans(),
+    by=st.sampled_from(["trend", "bonus"]),
+    eta=st.sampled_from([1.0, 0.5]),
+)
 def test_turning_point_formula(seed, P, G, T, balance, by, eta):
     R = np.random.default_rng(seed).normal(size=(P, G, T + 1)).astype(np.float32).astype(np.float64)
     out = step_run(R, "turning_point", balance=balance, balance_by=by, eta=eta)
@@ -120,7 +145,7 @@ def test_turning_point_formula(seed, P, G, T, balance, by, eta):
     assert out.metrics["turning_point/count"] == float(kept)
     assert out.metrics["turning_point/dropped_by_balance"] == float(before - kept)
     if balance:  # equal positive and negative counts whenever both signs occurred
-        (_, raw), = ref_turning_point_rewards(R, eta, False, by)[0]
+        ((_, raw),) = ref_turning_point_rewards(R, eta, False, by)[0]
         cand = (R[..., -1:] - R[..., :1]) * np.ones((1, 1, T)) if by == "trend" else eta * (R[..., -1:] - R[..., :-1])
         pos, neg = (raw & (cand > 0)).sum(), (raw & (cand < 0)).sum()
         if pos and neg:
@@ -153,9 +178,17 @@ def test_turning_point_rejects_unknown_balance_by():
 
 
 @SETTINGS
-@given(seed=st.integers(0, 2**31 - 1), P=st.integers(1, 3), G=st.integers(2, 6), T=st.integers(1, 8),
-       gamma=st.sampled_from([0.95, 0.5, 1.0]), k=st.sampled_from([0.1, 0.0, 1.0]), steps=st.integers(0, 6),
-       holes=st.booleans(), unbiased=st.booleans())
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    P=st.integers(1, 3),
+    G=st.integers(2, 6),
+    T=st.integers(1, 8),
+    gamma=st.sampled_from([0.95, 0.5, 1.0]),
+    k=st.sampled_from([0.1, 0.0, 1.0]),
+    steps=st.integers(0, 6),
+    holes=st.booleans(),
+    unbiased=st.booleans(),
+)
 def test_value_anchored_formula(seed, P, G, T, gamma, k, steps, holes, unbiased):
     rng = np.random.default_rng(seed)
     r = rng.uniform(0.1, 1.0, size=(P, G, T)).astype(np.float32).astype(np.float64)  # non-negative rewards
@@ -195,15 +228,23 @@ def one_split_tree(P, G, L):
 
 
 @SETTINGS
-@given(seed=st.integers(0, 2**31 - 1), P=st.integers(1, 3), G=st.integers(2, 6), L=st.integers(1, 4),
-       nan=st.sampled_from([0.0, 0.2]), unbiased=st.booleans(), eps=st.sampled_from([1e-8, 1e-4]))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    P=st.integers(1, 3),
+    G=st.integers(2, 6),
+    L=st.integers(1, 4),
+    nan=st.sampled_from([0.0, 0.2]),
+    unbiased=st.booleans(),
+    eps=st.sampled_from([1e-8, 1e-4]),
+)
 def test_tree_depth_one_split_equals_grpo_on_leaves(seed, P, G, L, nan, unbiased, eps):
     r, _ = random_rewards(np.random.default_rng(seed), P, G, "normal", nan)
     tree, parent, depth, leaf = one_split_tree(P, G, L)
     batch = GroupBatch(rewards=t32(r), tree=tree)
     out = compute_advantages(batch, AdvantageConfig(estimator={"name": "tree_depth", "eps": eps, "unbiased": unbiased}))
-    grpo = compute_advantages(GroupBatch(rewards=t32(r)),
-                              AdvantageConfig(estimator={"name": "grpo", "eps": eps, "unbiased": unbiased}))
+    grpo = compute_advantages(
+        GroupBatch(rewards=t32(r)), AdvantageConfig(estimator={"name": "grpo", "eps": eps, "unbiased": unbiased})
+    )
     adv = np64(out.advantages)
     for g in range(G):
         for d in range(1, L + 1):
@@ -247,8 +288,9 @@ def test_tree_depth_softmax_fusion_small_binary_tree(alpha, r1):
     alpha = 2), nodes 5, 6 equal (R(2) = 4)."""
     parent, depth, leaf, r = small_binary_tree()
     edge = [0.0, 0.0, -math.log(3), 0.0, math.log(3), 0.0, 0.0]
-    tree = TreeStructure(torch.tensor([parent]), torch.tensor([depth]), torch.tensor([leaf]),
-                         edge_logp=torch.tensor([edge]))
+    tree = TreeStructure(
+        torch.tensor([parent]), torch.tensor([depth]), torch.tensor([leaf]), edge_logp=torch.tensor([edge])
+    )
     cfg = AdvantageConfig(estimator={"name": "tree_depth", "fusion": "softmax", "alpha": alpha})
     adv = np64(compute_advantages(GroupBatch(rewards=t32([r]), tree=tree), cfg).advantages)[0]
     np.testing.assert_allclose(adv[[1, 2]], zscore_unbiased([r1, 4.0]), rtol=1e-5)
@@ -275,14 +317,21 @@ def random_forest(rng, P, depth_max):
     par, dep = np.full((P, N), -1), np.zeros((P, N), dtype=int)
     leaf, node_valid, valid = np.zeros((P, G), dtype=int), np.zeros((P, N), dtype=bool), np.zeros((P, G), dtype=bool)
     for p, (parent, depth, leaves) in enumerate(trees):
-        par[p, :len(parent)], dep[p, :len(depth)], node_valid[p, :len(parent)] = parent, depth, True
-        leaf[p, :len(leaves)], valid[p, :len(leaves)] = leaves, True
+        par[p, : len(parent)], dep[p, : len(depth)], node_valid[p, : len(parent)] = parent, depth, True
+        leaf[p, : len(leaves)], valid[p, : len(leaves)] = leaves, True
     return trees, par, dep, leaf, node_valid, valid
 
 
 @SETTINGS
-@given(seed=st.integers(0, 2**31 - 1), P=st.integers(1, 3), D=st.integers(1, 4), fusion=st.sampled_from(["mean", "softmax"]),
-       alpha=st.sampled_from([1.0, 0.5]), nan=st.sampled_from([0.0, 0.2]), unbiased=st.booleans())
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    P=st.integers(1, 3),
+    D=st.integers(1, 4),
+    fusion=st.sampled_from(["mean", "softmax"]),
+    alpha=st.sampled_from([1.0, 0.5]),
+    nan=st.sampled_from([0.0, 0.2]),
+    unbiased=st.booleans(),
+)
 def test_tree_depth_formula_random_trees(seed, P, D, fusion, alpha, nan, unbiased):
     rng = np.random.default_rng(seed)
     trees, par, dep, leaf, node_valid, valid = random_forest(rng, P, D)

@@ -60,8 +60,13 @@ def test_filter_zero_std_on_step_level_and_ignores_dead_weights():
 
 
 @SETTINGS
-@given(seed=st.integers(0, 2**31 - 1), P=st.integers(1, 4), G=st.integers(2, 10), k=st.integers(1, 4),
-       invalid=st.sampled_from([0.0, 0.3]))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    P=st.integers(1, 4),
+    G=st.integers(2, 10),
+    k=st.integers(1, 4),
+    invalid=st.sampled_from([0.0, 0.3]),
+)
 def test_top_bottom_k_formula(seed, P, G, k, invalid):
     rng = np.random.default_rng(seed)
     r, valid = random_rewards(rng, P, G, "normal", 0.0, invalid)
@@ -107,7 +112,9 @@ def test_nft_optimality_in_the_pipeline_gives_unscored_samples_weight_zero():
     out = compute_advantages(GroupBatch(rewards=t32(r)), cfg)
     np.testing.assert_array_equal(np64(out.sample_weight), [[1, 0, 1, 1], [1, 1, 1, 1]])
     adv = ref_grpo(np.array(r), np.ones((2, 4), bool))
-    np.testing.assert_allclose(np64(out.advantages), np.clip(np.clip(adv, -5, 5) / 10 + 0.5, 0, 1), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        np64(out.advantages), np.clip(np.clip(adv, -5, 5) / 10 + 0.5, 0, 1), rtol=1e-4, atol=1e-5
+    )
     assert np64(out.advantages)[1].tolist() == [0.5] * 4  # a constant group is exactly "neutral"
     # step-level results keep their weights
     res = AdvantageResult(torch.zeros(1, 2, 2), torch.ones(1, 2, 2), "step")
@@ -117,10 +124,14 @@ def test_nft_optimality_in_the_pipeline_gives_unscored_samples_weight_zero():
 
 def test_transforms_apply_in_order():
     r = [[0.0, 1.0, 2.0, 30.0]]
-    a = compute_advantages(GroupBatch(rewards=t32(r)), AdvantageConfig(estimator="dr_grpo", transforms=[
-        {"name": "clip", "max": 1.0}, "nft_optimality"])).advantages
-    b = compute_advantages(GroupBatch(rewards=t32(r)), AdvantageConfig(estimator="dr_grpo", transforms=[
-        "nft_optimality", {"name": "clip", "max": 0.6}])).advantages
+    a = compute_advantages(
+        GroupBatch(rewards=t32(r)),
+        AdvantageConfig(estimator="dr_grpo", transforms=[{"name": "clip", "max": 1.0}, "nft_optimality"]),
+    ).advantages
+    b = compute_advantages(
+        GroupBatch(rewards=t32(r)),
+        AdvantageConfig(estimator="dr_grpo", transforms=["nft_optimality", {"name": "clip", "max": 0.6}]),
+    ).advantages
     centred = np.array(r[0]) - np.mean(r[0])
     np.testing.assert_allclose(np64(a)[0], np.clip(np.clip(centred, -1, 1) / 10 + 0.5, 0, 1), rtol=1e-6)
     np.testing.assert_allclose(np64(b)[0], np.clip(np.clip(centred / 10 + 0.5, 0, 1), -0.6, 0.6), rtol=1e-6)

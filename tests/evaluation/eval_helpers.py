@@ -12,8 +12,16 @@ import numpy as np
 import pytest
 from PIL import Image
 
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 def solid(folder: Path, name: str, rgb) -> Path:
@@ -48,8 +56,19 @@ def gray_folder(folder: Path, items: list[tuple[str, int]], txt: bool = True) ->
 
 def tiny_generate(prompts: Path, **over) -> dict:
     """A generate input for the tiny SD3 adapter: 32x32, 2 steps, CPU."""
-    return {"model": "sd3", "tiny": True, "prompts": str(prompts), "images_per_prompt": 2, "num_steps": 2,
-            "guidance_scale": 3.0, "height": 32, "width": 32, "batch_size": 2, "device": "cpu", **over}
+    return {
+        "model": "sd3",
+        "tiny": True,
+        "prompts": str(prompts),
+        "images_per_prompt": 2,
+        "num_steps": 2,
+        "guidance_scale": 3.0,
+        "height": 32,
+        "width": 32,
+        "batch_size": 2,
+        "device": "cpu",
+        **over,
+    }
 
 
 def chromium() -> str:
@@ -57,8 +76,10 @@ def chromium() -> str:
     name = os.environ.get("CHROMIUM", "/usr/bin/chromium")
     path = shutil.which(name) or (name if os.path.isfile(name) else None)
     if path is None:
-        pytest.fail(f"chromium not found ({name}): install Debian's chromium (apt-get install chromium) to run "
-                    "the HTML report tests in a real headless browser")
+        pytest.fail(
+            f"chromium not found ({name}): install Debian's chromium (apt-get install chromium) to run "
+            "the HTML report tests in a real headless browser"
+        )
     return path
 
 

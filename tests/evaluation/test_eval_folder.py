@@ -25,11 +25,18 @@ def test_toy_scores_per_image_and_files(tmp_path):
     colours = [(255, 0, 0), (40, 40, 40), (0, 128, 255)]
     for i, c in enumerate(colours):
         solid(folder, f"im{i}.png", c)
-    write_jsonl(folder / "prompts.jsonl", [{"file": f"im{i}.png", "prompt": f"colour {i}", "metadata": {"n": i}}
-                                           for i in range(3)])
+    write_jsonl(
+        folder / "prompts.jsonl",
+        [{"file": f"im{i}.png", "prompt": f"colour {i}", "metadata": {"n": i}} for i in range(3)],
+    )
     out = tmp_path / "out"
-    summary = evaluate(_config(out, input={"images": {"dir": str(folder)}},
-                               scorers=["brightness", "colorfulness", {"name": "jpeg_compressibility", "quality": 90}]))
+    summary = evaluate(
+        _config(
+            out,
+            input={"images": {"dir": str(folder)}},
+            scorers=["brightness", "colorfulness", {"name": "jpeg_compressibility", "quality": 90}],
+        )
+    )
 
     # Hand-computed: Rec.601 luma; Hasler-Suesstrunk of a flat colour is 0.3 * |(rg, yb)|; JPEG kB.
     def jpeg_kb(c):
@@ -74,8 +81,7 @@ def nan_scorer():
 
         def score_batch(self, images, prompts, metadata):
             x = torch.stack([t.mean() for t in images.tensors()])
-            return {self.key: torch.where(x < 0.2, torch.full_like(x, float("nan")), x),
-                    f"{self.key}/double": 2 * x}
+            return {self.key: torch.where(x < 0.2, torch.full_like(x, float("nan")), x), f"{self.key}/double": 2 * x}
 
     registry.register("test_dark_is_nan")(lambda *, batch_size=2: DarkIsNaN(batch_size=batch_size))
     yield "test_dark_is_nan"
@@ -112,11 +118,40 @@ def test_compare_two_runs_against_hand_computed_values(tmp_path, capsys):
     # Run B: a txt prompt file; indices count repeats of a prompt in sorted file order.
     b_dir = gray_folder(tmp_path / "b", [("blue", 150), ("red", 120), ("red", 50), ("green", 90), ("only_b", 255)])
 
-    assert main(["--images", str(a_dir), "--scorers", "brightness", "-o", str(tmp_path / "run_a"), "--label", "base",
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "--images",
+                str(a_dir),
+                "--scorers",
+                "brightness",
+                "-o",
+                str(tmp_path / "run_a"),
+                "--label",
+                "base",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     scorers = "scorers=[brightness, {name: pointwise_as_pairwise, scorer: brightness, temperature: 0.1}]"
-    assert main(["--images", str(b_dir), "-o", str(tmp_path / "run_b"), "--compare", str(tmp_path / "run_a"),
-                 "--label", "aligned", "--no-progress", scorers]) == 0
+    assert (
+        main(
+            [
+                "--images",
+                str(b_dir),
+                "-o",
+                str(tmp_path / "run_b"),
+                "--compare",
+                str(tmp_path / "run_a"),
+                "--label",
+                "aligned",
+                "--no-progress",
+                scorers,
+            ]
+        )
+        == 0
+    )
     assert "win rate 0.625" in capsys.readouterr().out
 
     comp = json.loads((tmp_path / "run_b" / "summary.json").read_text())["comparison"]

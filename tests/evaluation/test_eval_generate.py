@@ -18,8 +18,9 @@ def _pixels(run_dir, n):
 
 
 def _config(out, **over):
-    return EvalConfig.model_validate({"output_dir": str(out), "progress": False, "stats": {"resamples": 200},
-                                      "report": {"enabled": False}, **over})
+    return EvalConfig.model_validate(
+        {"output_dir": str(out), "progress": False, "stats": {"resamples": 200}, "report": {"enabled": False}, **over}
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -45,7 +46,13 @@ def test_generate_score_and_rescore_the_saved_folder(tmp_path, prompts, loras):
     listing = [json.loads(x) for x in (out / "images" / "prompts.jsonl").read_text().splitlines()]
     # 3 prompts x 2 images; the repeated prompt's images are numbered on, so (prompt, index) stays unique
     assert [(r["prompt"], r["index"]) for r in listing] == [
-        ("a red cube", 0), ("a red cube", 1), ("a dog", 0), ("a dog", 1), ("a red cube", 2), ("a red cube", 3)]
+        ("a red cube", 0),
+        ("a red cube", 1),
+        ("a dog", 0),
+        ("a dog", 1),
+        ("a red cube", 2),
+        ("a red cube", 3),
+    ]
     assert listing[0]["metadata"] == {"tag": "colour"} and listing[0]["file"] == "00000_00.png"
     pixels = _pixels(out, 6)
     first = pixels[("a red cube", 0)]
@@ -60,8 +67,11 @@ def test_generate_score_and_rescore_the_saved_folder(tmp_path, prompts, loras):
     evaluate(_config(tmp_path / "gen2", input={"generate": tiny_generate(prompts)}, scorers=["brightness"]))
     again = _pixels(tmp_path / "gen2", 6)
     assert all(np.array_equal(pixels[k], again[k]) for k in pixels)
-    rescored = evaluate(_config(tmp_path / "rescore", input={"images": {"dir": str(out / "images")}},
-                                scorers=["brightness", "colorfulness"]))
+    rescored = evaluate(
+        _config(
+            tmp_path / "rescore", input={"images": {"dir": str(out / "images")}}, scorers=["brightness", "colorfulness"]
+        )
+    )
     for key in ("brightness", "colorfulness"):
         assert rescored["scores"][key]["mean"] == pytest.approx(summary["scores"][key]["mean"], rel=1e-6)
 
@@ -91,11 +101,22 @@ def loras(tmp_path_factory):
 def test_lora_against_its_base_model(tmp_path, prompts, loras, scale):
     lora = loras[scale]
     out = tmp_path / "eval"
-    summary = evaluate(_config(out, input={"label": "lora", "generate": tiny_generate(prompts, lora=str(lora))},
-                               baseline={"label": "base", "generate": tiny_generate(prompts)},
-                               scorers=["brightness", "colorfulness"]))
+    summary = evaluate(
+        _config(
+            out,
+            input={"label": "lora", "generate": tiny_generate(prompts, lora=str(lora))},
+            baseline={"label": "base", "generate": tiny_generate(prompts)},
+            scorers=["brightness", "colorfulness"],
+        )
+    )
     comp = summary["comparison"]
-    assert (comp["a"], comp["b"], comp["matched"], comp["unmatched_a"], comp["unmatched_b"]) == ("base", "lora", 6, 0, 0)
+    assert (comp["a"], comp["b"], comp["matched"], comp["unmatched_a"], comp["unmatched_b"]) == (
+        "base",
+        "lora",
+        6,
+        0,
+        0,
+    )
     base, tuned = _pixels(out / "baseline", 6), _pixels(out, 6)
     assert (out / "baseline" / "summary.json").is_file()
     if scale == 0.0:
@@ -105,8 +126,13 @@ def test_lora_against_its_base_model(tmp_path, prompts, loras, scale):
         return
     assert sum(np.abs(base[k] - tuned[k]).mean() for k in base) / 6 > 1.0  # the LoRA was loaded and used
     # comparison numbers = the per-image scores of both runs, matched by (prompt, index)
-    rows_a = {(r["prompt"], r["index"]): r["scores"] for r in map(json.loads, (out / "baseline" / "scores.jsonl").read_text().splitlines())}
-    rows_b = {(r["prompt"], r["index"]): r["scores"] for r in map(json.loads, (out / "scores.jsonl").read_text().splitlines())}
+    rows_a = {
+        (r["prompt"], r["index"]): r["scores"]
+        for r in map(json.loads, (out / "baseline" / "scores.jsonl").read_text().splitlines())
+    }
+    rows_b = {
+        (r["prompt"], r["index"]): r["scores"] for r in map(json.loads, (out / "scores.jsonl").read_text().splitlines())
+    }
     for key in ("brightness", "colorfulness"):
         a = np.array([rows_a[k][key] for k in rows_b])
         b = np.array([rows_b[k][key] for k in rows_b])

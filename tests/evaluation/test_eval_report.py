@@ -26,12 +26,31 @@ def _folder(root, seed, n=8):
 def report(tmp_path_factory):
     """A comparison report: run B (8 images) against run A (8 images) with two scorers."""
     tmp = tmp_path_factory.mktemp("report")
-    base = dict(progress=False, scorers=["brightness", "colorfulness"], stats={"resamples": 200},
-                report={"top_k": TOP_K, "thumbnail_size": 96})
-    evaluate(EvalConfig.model_validate({**base, "input": {"label": "base", "images": {"dir": str(_folder(tmp / "a", 1))}},
-                                        "output_dir": str(tmp / "run_a")}))
-    evaluate(EvalConfig.model_validate({**base, "input": {"label": "tuned", "images": {"dir": str(_folder(tmp / "b", 2))}},
-                                        "output_dir": str(tmp / "run_b"), "compare": str(tmp / "run_a")}))
+    base = dict(
+        progress=False,
+        scorers=["brightness", "colorfulness"],
+        stats={"resamples": 200},
+        report={"top_k": TOP_K, "thumbnail_size": 96},
+    )
+    evaluate(
+        EvalConfig.model_validate(
+            {
+                **base,
+                "input": {"label": "base", "images": {"dir": str(_folder(tmp / "a", 1))}},
+                "output_dir": str(tmp / "run_a"),
+            }
+        )
+    )
+    evaluate(
+        EvalConfig.model_validate(
+            {
+                **base,
+                "input": {"label": "tuned", "images": {"dir": str(_folder(tmp / "b", 2))}},
+                "output_dir": str(tmp / "run_b"),
+                "compare": str(tmp / "run_a"),
+            }
+        )
+    )
     return tmp / "run_b" / "report.html"
 
 

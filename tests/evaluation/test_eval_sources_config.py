@@ -28,14 +28,20 @@ def test_jsonl_prompts_with_index_and_metadata(tmp_path):
     folder.mkdir()
     solid(folder, "x.png", (0, 0, 0))
     solid(folder, "y.png", (0, 0, 0))
-    write_jsonl(folder / "prompts.jsonl", [
-        {"file": "x.png", "prompt": "p", "index": 3, "metadata": {"a": 1}, "tag": "t"},
-        {"file": "y.png", "prompt": "p"},
-    ])
+    write_jsonl(
+        folder / "prompts.jsonl",
+        [
+            {"file": "x.png", "prompt": "p", "index": 3, "metadata": {"a": 1}, "tag": "t"},
+            {"file": "y.png", "prompt": "p"},
+        ],
+    )
     s = folder_samples(folder)
     assert [(x.prompt, x.index) for x in s] == [("p", 3), ("p", 1)]
     assert s[0].metadata == {"a": 1, "tag": "t"} and s[1].metadata == {}
-    write_jsonl(folder / "prompts.jsonl", [{"file": "x.png", "prompt": "p", "index": 0}, {"file": "y.png", "prompt": "p", "index": 0}])
+    write_jsonl(
+        folder / "prompts.jsonl",
+        [{"file": "x.png", "prompt": "p", "index": 0}, {"file": "y.png", "prompt": "p", "index": 0}],
+    )
     with pytest.raises(EvaluationError, match="must be unique"):
         folder_samples(folder)
     write_jsonl(folder / "prompts.jsonl", [{"file": "nope.png", "prompt": "p"}])
@@ -63,21 +69,40 @@ def test_prompt_set_for_generation(tmp_path):
 
 def test_config_yaml_overrides_and_strict_errors(tmp_path):
     cfg_file = tmp_path / "eval.yaml"
-    cfg_file.write_text("input:\n  images: {dir: imgs}\nscorers: [brightness, {name: jpeg_compressibility, quality: 80}]\n"
-                        "report: {top_k: 2}\n")
+    cfg_file.write_text(
+        "input:\n  images: {dir: imgs}\nscorers: [brightness, {name: jpeg_compressibility, quality: 80}]\n"
+        "report: {top_k: 2}\n"
+    )
     cfg = load_eval_config(cfg_file, ["report.top_k=5", "stats.resamples=100"])
     assert cfg.report.top_k == 5 and cfg.stats.resamples == 100 and cfg.input.images.dir == "imgs"
-    assert [(s.name, s.settings) for s in cfg.scorers] == [("brightness", {}), ("jpeg_compressibility", {"quality": 80})]
-    with pytest.raises(ConfigError, match=r"unknown key 'num_step' \(did you mean 'num_steps'\?\); valid keys: .*'guidance_scale'"):
-        load_eval_config(None, ["input.generate.model=sd3", "input.generate.tiny=true", "input.generate.prompts=p.txt",
-                                "input.generate.num_step=3", "scorers=[brightness]"])
+    assert [(s.name, s.settings) for s in cfg.scorers] == [
+        ("brightness", {}),
+        ("jpeg_compressibility", {"quality": 80}),
+    ]
+    with pytest.raises(
+        ConfigError, match=r"unknown key 'num_step' \(did you mean 'num_steps'\?\); valid keys: .*'guidance_scale'"
+    ):
+        load_eval_config(
+            None,
+            [
+                "input.generate.model=sd3",
+                "input.generate.tiny=true",
+                "input.generate.prompts=p.txt",
+                "input.generate.num_step=3",
+                "scorers=[brightness]",
+            ],
+        )
     with pytest.raises(ConfigError, match="exactly one of images"):
-        load_eval_config(cfg_file, ["input.generate.model=sd3", "input.generate.tiny=true", "input.generate.prompts=p.txt"])
+        load_eval_config(
+            cfg_file, ["input.generate.model=sd3", "input.generate.tiny=true", "input.generate.prompts=p.txt"]
+        )
     with pytest.raises(ConfigError, match="exactly one of generate.pretrained"):
         load_eval_config(None, ["input.generate.model=sd3", "input.generate.prompts=p.txt", "scorers=[brightness]"])
     with pytest.raises(ConfigError, match="unknown scorer 'brightnes'.*did you mean 'brightness'"):
         load_eval_config(cfg_file, ["scorers=[brightnes]"])
-    with pytest.raises(ConfigError, match="has no setting \\['qualty'\\]; valid settings: \\['batch_size', 'key', 'quality'\\]"):
+    with pytest.raises(
+        ConfigError, match="has no setting \\['qualty'\\]; valid settings: \\['batch_size', 'key', 'quality'\\]"
+    ):
         load_eval_config(cfg_file, ["scorers=[{name: jpeg_compressibility, qualty: 3}]"])
     with pytest.raises(ConfigError, match="need a comparison"):
         load_eval_config(cfg_file, ["scorers=[{name: pointwise_as_pairwise, scorer: brightness}]"])
@@ -88,8 +113,21 @@ def test_config_yaml_overrides_and_strict_errors(tmp_path):
 def test_cli_flags_and_errors(tmp_path, capsys):
     folder = gray_folder(tmp_path / "imgs", [("a", 10), ("b", 200)])
     out = tmp_path / "out"
-    assert main(["--images", str(folder), "--scorers", "brightness", "-o", str(out), "--no-progress",
-                 "report.enabled=false"]) == 0
+    assert (
+        main(
+            [
+                "--images",
+                str(folder),
+                "--scorers",
+                "brightness",
+                "-o",
+                str(out),
+                "--no-progress",
+                "report.enabled=false",
+            ]
+        )
+        == 0
+    )
     assert (out / "scores.csv").is_file() and not (out / "report.html").exists()
     assert "2 images" in capsys.readouterr().out
     # an earlier run is never overwritten silently

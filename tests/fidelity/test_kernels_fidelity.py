@@ -63,8 +63,15 @@ def test_flow_sde_is_flow_grpos_step(grid, a):
     rng = np.random.default_rng(3)
     for i in range(sched.num_steps):
         x, v, eps = (rng.standard_normal((2, 4, 8, 8)) for _ in range(3))
-        out = step("flow_sde", torch.tensor(x, dtype=torch.float32), torch.tensor(v, dtype=torch.float32), sched, i,
-                   torch.tensor(eps, dtype=torch.float32), a=a)
+        out = step(
+            "flow_sde",
+            torch.tensor(x, dtype=torch.float32),
+            torch.tensor(v, dtype=torch.float32),
+            sched,
+            i,
+            torch.tensor(eps, dtype=torch.float32),
+            a=a,
+        )
         for b in range(2):
             x_next, mean, std, logp = flow_grpo_step(x[b], v[b], sig, i, a, eps[b])
             np.testing.assert_allclose(out.mean[b].double().numpy(), mean, rtol=1e-5, atol=2e-6)
@@ -82,8 +89,15 @@ def test_dance_sde_is_dancegrpos_flux_step(eta):
     rng = np.random.default_rng(4)
     for i in range(sched.num_steps):
         x, v, eps = (rng.standard_normal((1, 4, 8, 8)) for _ in range(3))
-        out = step("dance_sde", torch.tensor(x, dtype=torch.float32), torch.tensor(v, dtype=torch.float32), sched, i,
-                   torch.tensor(eps, dtype=torch.float32), eta=eta)
+        out = step(
+            "dance_sde",
+            torch.tensor(x, dtype=torch.float32),
+            torch.tensor(v, dtype=torch.float32),
+            sched,
+            i,
+            torch.tensor(eps, dtype=torch.float32),
+            eta=eta,
+        )
         x_next, mean, std = dance_step(x[0], v[0], sig, i, eta, eps[0])
         np.testing.assert_allclose(out.mean[0].double().numpy(), mean, rtol=1e-5, atol=5e-6)
         np.testing.assert_allclose(out.x_next[0].double().numpy(), x_next, rtol=1e-5, atol=5e-6)
@@ -96,8 +110,16 @@ def test_split_noise_scales_the_sample_not_the_density():
     sig = sched.sigmas.double().numpy()
     rng = np.random.default_rng(5)
     x, v, eps = (rng.standard_normal((1, 4, 8, 8)) for _ in range(3))
-    out = step("dance_sde", torch.tensor(x, dtype=torch.float32), torch.tensor(v, dtype=torch.float32), sched, 3,
-               torch.tensor(eps, dtype=torch.float32), noise_scale=4.0, eta=0.3)
+    out = step(
+        "dance_sde",
+        torch.tensor(x, dtype=torch.float32),
+        torch.tensor(v, dtype=torch.float32),
+        sched,
+        3,
+        torch.tensor(eps, dtype=torch.float32),
+        noise_scale=4.0,
+        eta=0.3,
+    )
     _, mean, std = dance_step(x[0], v[0], sig, 3, 0.3, eps[0])
     sample = mean + (eps[0] * 4.0) * std
     np.testing.assert_allclose(out.x_next[0].double().numpy(), sample, rtol=1e-5, atol=5e-6)
@@ -107,8 +129,14 @@ def test_split_noise_scales_the_sample_not_the_density():
 def test_tree_plan_split_steps_are_four_times_wider():
     """The whole tree rollout: displacement / std is ~N(0, 16) on split edges, ~N(0, 1) elsewhere."""
     adapter = ToyAdapter(channels=4)
-    cfg = SamplerConfig(num_steps=8, sde_kernel={"name": "dance_sde", "eta": 0.3}, cfg_mode="none",
-                        schedule={"name": "time_shift", "shift": 3.0}, height=64, width=64)
+    cfg = SamplerConfig(
+        num_steps=8,
+        sde_kernel={"name": "dance_sde", "eta": 0.3},
+        cfg_mode="none",
+        schedule={"name": "time_shift", "shift": 3.0},
+        height=64,
+        width=64,
+    )
     plan = build_plan("tree", 8, split_steps=[0, 3], branch=2, noise_scale=4.0)
     tree = Sampler(cfg).run(adapter, ["a cat"], plan, 4, torch.Generator().manual_seed(2))
     sig = tree.schedule.sigmas.double().numpy()
@@ -130,10 +158,17 @@ def test_tree_plan_split_steps_are_four_times_wider():
 
 def test_decode_last_x0_is_the_last_steps_clean_estimate():
     adapter = ToyAdapter()
-    base = dict(num_steps=6, sde_kernel={"name": "dance_sde", "eta": 0.3}, cfg_mode="none",
-                schedule={"name": "time_shift", "shift": 3.0}, height=16, width=16)
-    tree = Sampler(SamplerConfig(**base, decode="last_x0")).run(adapter, ["a cat", "a dog!"], build_plan("full_sde", 6),
-                                                               3, torch.Generator().manual_seed(0))
+    base = dict(
+        num_steps=6,
+        sde_kernel={"name": "dance_sde", "eta": 0.3},
+        cfg_mode="none",
+        schedule={"name": "time_shift", "shift": 3.0},
+        height=16,
+        width=16,
+    )
+    tree = Sampler(SamplerConfig(**base, decode="last_x0")).run(
+        adapter, ["a cat", "a dog!"], build_plan("full_sde", 6), 3, torch.Generator().manual_seed(0)
+    )
     sig = tree.schedule.sigmas.double().numpy()
     w = adapter.denoiser.weight.detach().double().numpy()[:, :, 0, 0]
     b = adapter.denoiser.bias.detach().double().numpy()
@@ -143,12 +178,13 @@ def test_decode_last_x0_is_the_last_steps_clean_estimate():
         cond = len(["a cat", "a dog!"][p]) / 10
         for g in range(3):
             leaf = tree.leaves[p, g]
-            x = tree.states[tree.parent[leaf]].double().numpy()   # x_{T-1}
+            x = tree.states[tree.parent[leaf]].double().numpy()  # x_{T-1}
             v = np.einsum("oc,chw->ohw", w, x) + b[:, None, None] + cond * (1 + sig[-2])
             np.testing.assert_allclose(images[p, g].double().numpy(), x - sig[-2] * v, rtol=1e-5, atol=2e-6)
             assert not np.allclose(images[p, g].numpy(), tree.states[leaf].numpy())  # not the noisy final state
-    same = Sampler(SamplerConfig(**base)).run(adapter, ["a cat", "a dog!"], build_plan("full_sde", 6), 3,
-                                              torch.Generator().manual_seed(0))
+    same = Sampler(SamplerConfig(**base)).run(
+        adapter, ["a cat", "a dog!"], build_plan("full_sde", 6), 3, torch.Generator().manual_seed(0)
+    )
     torch.testing.assert_close(same.states, tree.states)  # decoding changes no state, edge or log-prob
     torch.testing.assert_close(same.edge_logp, tree.edge_logp, equal_nan=True)
     torch.testing.assert_close(same.leaf_latents(), same.states[same.leaves])

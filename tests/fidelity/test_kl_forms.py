@@ -49,10 +49,16 @@ def build(a: float, steps: int = 6):
     ref = copy.deepcopy(policy)
     with torch.no_grad():  # the reference differs from the policy, so the KL is not zero
         ref.denoiser.weight.add_(0.05 * torch.randn_like(ref.denoiser.weight))
-    sampler = Sampler(SamplerConfig(num_steps=steps, sde_kernel={"name": "flow_sde", "a": a}, cfg_mode="none",
-                                    height=16, width=16))
-    tree = sampler.run(policy, ["a cat", "a red bicycle"], build_plan("full_sde", steps, train_fraction=1.0), 3,
-                       torch.Generator().manual_seed(1))
+    sampler = Sampler(
+        SamplerConfig(num_steps=steps, sde_kernel={"name": "flow_sde", "a": a}, cfg_mode="none", height=16, width=16)
+    )
+    tree = sampler.run(
+        policy,
+        ["a cat", "a red bicycle"],
+        build_plan("full_sde", steps, train_fraction=1.0),
+        3,
+        torch.Generator().manual_seed(1),
+    )
     return policy, ref, sampler, tree
 
 

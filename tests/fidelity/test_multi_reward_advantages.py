@@ -31,9 +31,12 @@ def test_gdpo_without_batch_norm_is_advantage_aggr(weights):
     scales = rng.uniform(0.01, 5.0, size=K)  # heads on very different scales, as HPS vs CLIP vs ImageReward
     rewards = rng.normal(size=(P, G, K)) * scales
     cfg = AdvantageConfig(estimator={"name": "gdpo", "batch_norm": False, "unbiased": True, "eps": 1e-8})
-    ours = compute_advantages(GroupBatch(rewards=torch.tensor(rewards, dtype=torch.float32), reward_weights=weights),
-                              cfg).advantages
+    ours = compute_advantages(
+        GroupBatch(rewards=torch.tensor(rewards, dtype=torch.float32), reward_weights=weights), cfg
+    ).advantages
     np.testing.assert_allclose(ours.double().numpy(), advantage_aggr(rewards, weights), rtol=1e-4, atol=1e-5)
-    gdpo = compute_advantages(GroupBatch(rewards=torch.tensor(rewards, dtype=torch.float32), reward_weights=weights),
-                              AdvantageConfig(estimator={"name": "gdpo", "unbiased": True, "eps": 1e-8})).advantages
+    gdpo = compute_advantages(
+        GroupBatch(rewards=torch.tensor(rewards, dtype=torch.float32), reward_weights=weights),
+        AdvantageConfig(estimator={"name": "gdpo", "unbiased": True, "eps": 1e-8}),
+    ).advantages
     assert not torch.allclose(gdpo, ours, atol=1e-2)  # GDPO's batch re-normalisation is a different rule

@@ -52,8 +52,7 @@ def test_nft_loss_is_the_release_objective(beta):
     r = np.clip(np.clip(adv, -adv_max, adv_max) / adv_max / 2 + 0.5, 0, 1)
     f = lambda a: torch.tensor(a, dtype=torch.float32)  # noqa: E731
     ours = nft_loss(f(v), f(v_old), f(x_t), f(x0), f(t), f(r), beta=beta, adv_max=adv_max)
-    np.testing.assert_allclose(ours.double().numpy(), release_loss(v, v_old, x_t, x0, t, adv, beta, adv_max),
-                               rtol=2e-5)
+    np.testing.assert_allclose(ours.double().numpy(), release_loss(v, v_old, x_t, x0, t, adv, beta, adv_max), rtol=2e-5)
 
 
 def test_nft_adaptive_weight_floor_is_the_releases():
@@ -61,10 +60,12 @@ def test_nft_adaptive_weight_floor_is_the_releases():
     x0 = np.zeros((1, 1, 2, 2))
     v = np.full((1, 1, 2, 2), 1e-7)
     t = np.array([0.5])
-    ours = nft_loss(*(torch.tensor(a, dtype=torch.float32) for a in (v, v, x0, x0, t, np.array([1.0]))),
-                    beta=1.0, adv_max=5.0)
-    np.testing.assert_allclose(ours.double().numpy(), release_loss(v, v, x0, x0, t, np.array([5.0]), 1.0, 5.0),
-                               rtol=1e-4)
+    ours = nft_loss(
+        *(torch.tensor(a, dtype=torch.float32) for a in (v, v, x0, x0, t, np.array([1.0]))), beta=1.0, adv_max=5.0
+    )
+    np.testing.assert_allclose(
+        ours.double().numpy(), release_loss(v, v, x0, x0, t, np.array([5.0]), 1.0, 5.0), rtol=1e-4
+    )
 
 
 @pytest.mark.parametrize("kind, decay_type", [("on_policy", 0), ("linear", 1), ("delayed", 2)])
@@ -85,6 +86,8 @@ def test_global_std_advantages_are_the_stat_trackers():
     for p in range(P):
         ref[prompts == p] = (flat[prompts == p] - flat[prompts == p].mean()) / (np.std(flat) + 1e-4)
     np.testing.assert_allclose(ours.double().numpy().reshape(-1), ref, rtol=1e-5, atol=1e-6)
-    per_group = compute_advantages(GroupBatch(rewards=torch.tensor(rewards, dtype=torch.float32)),
-                                   AdvantageConfig(estimator={"name": "grpo", "unbiased": False})).advantages
+    per_group = compute_advantages(
+        GroupBatch(rewards=torch.tensor(rewards, dtype=torch.float32)),
+        AdvantageConfig(estimator={"name": "grpo", "unbiased": False}),
+    ).advantages
     assert not torch.allclose(per_group, ours, atol=1e-2)  # the scope matters on these rewards

@@ -22,8 +22,15 @@ from pipelines.plans import build_plan  # noqa: E402
 from pipelines.sampler import Sampler, SamplerConfig  # noqa: E402
 from pipelines.schedules import flow_schedule, time_shift_schedule  # noqa: E402
 
-FLUX_SCHEDULER = {"base_image_seq_len": 256, "base_shift": 0.5, "max_image_seq_len": 4096, "max_shift": 1.15,
-                  "num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True}
+FLUX_SCHEDULER = {
+    "base_image_seq_len": 256,
+    "base_shift": 0.5,
+    "max_image_seq_len": 4096,
+    "max_shift": 1.15,
+    "num_train_timesteps": 1000,
+    "shift": 3.0,
+    "use_dynamic_shifting": True,
+}
 
 
 def published_grid(n: int, shift: float) -> np.ndarray:
@@ -85,8 +92,13 @@ class RecordingToy(ToyAdapter):
 
 def test_the_sampler_walks_the_named_grid_and_conditions_on_the_integer_times():
     adapter = RecordingToy()
-    cfg = SamplerConfig(num_steps=16, schedule={"name": "time_shift", "shift": 3.0, "integer_timesteps": True},
-                        cfg_mode="none", height=16, width=16)
+    cfg = SamplerConfig(
+        num_steps=16,
+        schedule={"name": "time_shift", "shift": 3.0, "integer_timesteps": True},
+        cfg_mode="none",
+        height=16,
+        width=16,
+    )
     tree = Sampler(cfg).run(adapter, ["a cat"], build_plan("full_sde", 16), 2, torch.Generator().manual_seed(0))
     np.testing.assert_allclose(tree.schedule.sigmas.double().numpy(), published_grid(16, 3.0), atol=3e-7)
     seen = sorted(set(round(t * 1000, 3) for t in adapter.times), reverse=True)
@@ -114,17 +126,27 @@ def published_flash_grid(n: int, shift: float, last_sde: int, ratio: float) -> n
     num_post = int(max((n - last_sde - 1) * ratio, 1))
     t_post = 1 - (last_sde + 1) / n
     u = np.array([t_post * (1 - k / (num_post - 1)) for k in range(num_post)])
-    return np.concatenate([full[:last_sde + 1], shift * u / (1 + (shift - 1) * u)])
+    return np.concatenate([full[: last_sde + 1], shift * u / (1 + (shift - 1) * u)])
 
 
 @pytest.mark.parametrize("size, start, ratio", [(4, 0, 0.2), (4, 0, 0.4), (4, 5, 0.4), (2, 10, 0.5)])
 def test_compressed_tail_is_mixgrpo_flashs_grid(size, start, ratio):
     n = 25
     adapter = RecordingToy()
-    cfg = SamplerConfig(num_steps=n, schedule={"name": "time_shift", "shift": 3.0}, cfg_mode="none", height=16,
-                        width=16)
-    plan = build_plan("window", n, 0, schedule="fixed", start=start, size=size, post_solver="dpm2m",
-                      post_compress=ratio, share_prefix=False)
+    cfg = SamplerConfig(
+        num_steps=n, schedule={"name": "time_shift", "shift": 3.0}, cfg_mode="none", height=16, width=16
+    )
+    plan = build_plan(
+        "window",
+        n,
+        0,
+        schedule="fixed",
+        start=start,
+        size=size,
+        post_solver="dpm2m",
+        post_compress=ratio,
+        share_prefix=False,
+    )
     ref = published_flash_grid(n, 3.0, start + size - 1, ratio)
     assert plan.num_steps == len(ref) - 1 < n and plan.grid_steps == n
     assert [s.sde for s in plan.steps] == [start <= i < start + size for i in range(plan.num_steps)]
@@ -138,7 +160,8 @@ def test_compressed_tail_needs_the_time_shift_grid_and_a_tail():
     from flowgrpo.t2i.config import T2IConfig
 
     with pytest.raises(ValueError, match="post_compress rebuilds the tail of the time_shift grid"):
-        T2IConfig(model={"tiny": True}, sampler={"num_steps": 25},
-                  plan={"name": "window", "size": 4, "post_compress": 0.4})
+        T2IConfig(
+            model={"tiny": True}, sampler={"num_steps": 25}, plan={"name": "window", "size": 4, "post_compress": 0.4}
+        )
     with pytest.raises(ValueError, match="would not reach sigma 0"):
         build_plan("window", 25, 0, schedule="fixed", start=20, size=4, post_compress=0.4)

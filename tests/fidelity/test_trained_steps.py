@@ -41,11 +41,18 @@ def dance_rule(num_samples: int, T: int, fraction: float, rng: np.random.Generat
 
 
 def rollout(prompts=("a cat", "a dog"), G=8, plan="full_sde", **plan_settings):
-    cfg = SamplerConfig(num_steps=T, sde_kernel={"name": "dance_sde", "eta": 0.3}, cfg_mode="none", height=8, width=8,
-                        schedule={"name": "time_shift", "shift": 3.0})
+    cfg = SamplerConfig(
+        num_steps=T,
+        sde_kernel={"name": "dance_sde", "eta": 0.3},
+        cfg_mode="none",
+        height=8,
+        width=8,
+        schedule={"name": "time_shift", "shift": 3.0},
+    )
     settings = {"train_fraction": 1.0, **plan_settings} if plan == "full_sde" else plan_settings
-    return Sampler(cfg).run(ToyAdapter(), list(prompts), build_plan(plan, T, **settings), G,
-                            torch.Generator().manual_seed(0))
+    return Sampler(cfg).run(
+        ToyAdapter(), list(prompts), build_plan(plan, T, **settings), G, torch.Generator().manual_seed(0)
+    )
 
 
 def trained_steps(tree, keep) -> np.ndarray:
@@ -70,8 +77,12 @@ def test_each_sample_trains_int_fraction_of_the_steps_but_the_last():
 def test_the_law_matches_the_published_rule():
     """Inclusion and pair-inclusion frequencies over many samples, ours vs the published rule."""
     tree = rollout(prompts=[f"p{i}" for i in range(25)], G=8)  # 200 samples per draw
-    ours = np.concatenate([trained_steps(tree, per_sample_steps(tree, 0.6, torch.Generator().manual_seed(s),
-                                                                exclude_last=True)) for s in range(10)])
+    ours = np.concatenate(
+        [
+            trained_steps(tree, per_sample_steps(tree, 0.6, torch.Generator().manual_seed(s), exclude_last=True))
+            for s in range(10)
+        ]
+    )
     ref = dance_rule(ours.shape[0], T, 0.6, np.random.default_rng(0))
     n, k = T - 1, 9
     for mask in (ours, ref):
@@ -93,11 +104,18 @@ def test_fraction_applies_to_the_plans_trained_steps():
 
 
 def config(**edges) -> T2IConfig:
-    return T2IConfig(model={"tiny": True}, sampler={"num_steps": T, "sde_kernel": {"name": "dance_sde", "eta": 0.3},
-                                                     "schedule": {"name": "time_shift", "shift": 3.0}},
-                     plan={"name": "full_sde", "train_fraction": 1.0}, group_size=8,
-                     advantage={"estimator": {"name": "grpo", "unbiased": True, "eps": 1e-8}},
-                     edges={"drop_zero_advantage": False, **edges})
+    return T2IConfig(
+        model={"tiny": True},
+        sampler={
+            "num_steps": T,
+            "sde_kernel": {"name": "dance_sde", "eta": 0.3},
+            "schedule": {"name": "time_shift", "shift": 3.0},
+        },
+        plan={"name": "full_sde", "train_fraction": 1.0},
+        group_size=8,
+        advantage={"estimator": {"name": "grpo", "unbiased": True, "eps": 1e-8}},
+        edges={"drop_zero_advantage": False, **edges},
+    )
 
 
 def test_credit_trains_each_samples_own_subset_deterministically():
@@ -105,7 +123,7 @@ def test_credit_trains_each_samples_own_subset_deterministically():
     values = torch.randn(16, 1, generator=torch.Generator().manual_seed(4))
     cfg = config(per_sample_fraction=0.6, exclude_last=True)
     a = assign_credit(tree, values, None, None, cfg, iteration=7)
-    b = assign_credit(tree, values, None, None, cfg, iteration=7)   # a resumed run redraws the same subsets
+    b = assign_credit(tree, values, None, None, cfg, iteration=7)  # a resumed run redraws the same subsets
     c = assign_credit(tree, values, None, None, cfg, iteration=8)
     torch.testing.assert_close(a.edges, b.edges)
     assert a.edges.numel() == 16 * 9 and not torch.equal(a.edges, c.edges)
@@ -123,8 +141,12 @@ def test_bad_combinations_are_refused():
     with pytest.raises(ValueError, match="per_sample_fraction"):
         config(per_sample_fraction=0.0)
     with pytest.raises(ValueError, match="picks steps per final sample"):
-        T2IConfig(model={"tiny": True}, plan={"name": "tree", "split_steps": [0], "branch": 2},
-                  advantage={"estimator": {"name": "tree_depth"}}, edges={"per_sample_fraction": 0.6})
+        T2IConfig(
+            model={"tiny": True},
+            plan={"name": "tree", "split_steps": [0], "branch": 2},
+            advantage={"estimator": {"name": "tree_depth"}},
+            edges={"per_sample_fraction": 0.6},
+        )
     tree = rollout(plan="tree", split_steps=[0, 3], branch=2, G=4)
     with pytest.raises(ValueError, match="share no trained edge"):
         per_sample_steps(tree, 0.6, torch.Generator().manual_seed(0))

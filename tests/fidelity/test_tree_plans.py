@@ -28,8 +28,16 @@ def released_sde_steps(T: int, splits: set[int], window: int, stride: int) -> li
 def test_mix_period_is_the_released_per_step_window(T, window, stride):
     splits = {0, 3, 6, 9}
     for iteration in (0, 1, 37, 500):  # the released rule does not move with the iteration
-        plan = build_plan("tree", T, iteration, split_steps=sorted(splits), branch=2, noise_scale=4.0,
-                          mix_window=window, mix_period=stride)
+        plan = build_plan(
+            "tree",
+            T,
+            iteration,
+            split_steps=sorted(splits),
+            branch=2,
+            noise_scale=4.0,
+            mix_window=window,
+            mix_period=stride,
+        )
         want = released_sde_steps(T, splits, window, stride)
         assert [s.sde for s in plan.steps] == want
         assert [s.trained for s in plan.steps] == want

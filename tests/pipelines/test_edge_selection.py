@@ -35,7 +35,11 @@ def test_depth_pruning_five_deep_levels_gives_paper_count(tree):
 def test_depth_pruning_slides_and_stops(tree):
     base = [16, 17, 18]
     assert set(tree.depth[~depth_pruning(tree, base, iteration=60, slide_interval=30)].tolist()) == {14, 15, 16}
-    assert set(tree.depth[~depth_pruning(tree, base, iteration=10_000, slide_interval=30, stop_depth=9)].tolist()) == {9, 10, 11}
+    assert set(tree.depth[~depth_pruning(tree, base, iteration=10_000, slide_interval=30, stop_depth=9)].tolist()) == {
+        9,
+        10,
+        11,
+    }
     assert bool(depth_pruning(tree, []).all())
 
 

@@ -34,8 +34,14 @@ def uniform(n: int, start: float, shift: float) -> FlowSchedule:
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # diffusers' own numpy call
 def test_dpm2m_matches_diffusers_dpmsolver_multistep():
-    ref = DPMSolverMultistepScheduler(algorithm_type="dpmsolver++", solver_order=2, prediction_type="flow_prediction",
-                                      use_flow_sigmas=True, flow_shift=3.0, final_sigmas_type="zero")
+    ref = DPMSolverMultistepScheduler(
+        algorithm_type="dpmsolver++",
+        solver_order=2,
+        prediction_type="flow_prediction",
+        use_flow_sigmas=True,
+        flow_shift=3.0,
+        final_sigmas_type="zero",
+    )
     ref.set_timesteps(10)
     sched = FlowSchedule.from_sigmas(ref.sigmas)
     x = torch.randn(2, 4, 8, 8)

@@ -46,8 +46,12 @@ def test_rescore_of_own_sample_gives_ratio_exactly_one(kernel, cfg, sched, _, dt
 
 
 @settings(max_examples=25, deadline=None)
-@given(k=st.integers(0, len(STOCHASTIC) - 1), b=st.integers(1, 4), seed=st.integers(0, 2**16),
-       scale=st.sampled_from([1.0, 0.3, 4.0]))
+@given(
+    k=st.integers(0, len(STOCHASTIC) - 1),
+    b=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+    scale=st.sampled_from([1.0, 0.3, 4.0]),
+)
 def test_ratio_one_property(k, b, seed, scale):
     kernel, cfg, sched, _ = STOCHASTIC[k]
     g = torch.Generator().manual_seed(seed)
@@ -65,9 +69,9 @@ def test_per_sample_step_index_matches_scalar_index(kernel, cfg, sched, _):
     batched = rescore(kernel, x, x_next, v, sched, idx, **cfg)
     assert batched.std.shape in ((4,), ())
     for row, i in enumerate(idx.tolist()):
-        one = rescore(kernel, x[row:row + 1], x_next[row:row + 1], v[row:row + 1], sched, i, **cfg)
-        torch.testing.assert_close(batched.logp[row:row + 1], one.logp, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(batched.mean[row:row + 1], one.mean, rtol=1e-6, atol=1e-6)
+        one = rescore(kernel, x[row : row + 1], x_next[row : row + 1], v[row : row + 1], sched, i, **cfg)
+        torch.testing.assert_close(batched.logp[row : row + 1], one.logp, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(batched.mean[row : row + 1], one.mean, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("kernel,cfg,sched,_", STOCHASTIC, ids=IDS)
@@ -91,8 +95,12 @@ def test_logp_is_the_gaussian_density_by_hand(kernel, cfg, sched, _):
     out = step(kernel, x, v, sched, 2, noise_scale=3.0, **cfg)  # logp reads the NOMINAL std
     s = float(out.std)
     for b in range(2):
-        dens = [-(float(out.x_next[b, j]) - float(out.mean[b, j])) ** 2 / (2 * s * s) - math.log(s)
-                - 0.5 * math.log(2 * math.pi) for j in range(3)]
+        dens = [
+            -((float(out.x_next[b, j]) - float(out.mean[b, j])) ** 2) / (2 * s * s)
+            - math.log(s)
+            - 0.5 * math.log(2 * math.pi)
+            for j in range(3)
+        ]
         assert float(out.logp[b]) == pytest.approx(sum(dens) / 3, rel=1e-5, abs=1e-5)
 
 

@@ -6,11 +6,15 @@ import pytest
 import torch
 from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler
 
-from pipelines.schedules import (SD15_DDIM_CONFIG, FlowSchedule, ddim_schedule, flow_schedule, flux_mu)
+from pipelines.schedules import SD15_DDIM_CONFIG, FlowSchedule, ddim_schedule, flow_schedule, flux_mu
 
 FLUX_CONFIG = {
-    "shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15,
-    "base_image_seq_len": 256, "max_image_seq_len": 4096,
+    "shift": 3.0,
+    "use_dynamic_shifting": True,
+    "base_shift": 0.5,
+    "max_shift": 1.15,
+    "base_image_seq_len": 256,
+    "max_image_seq_len": 4096,
 }
 
 
@@ -44,8 +48,7 @@ def test_flow_schedule_is_the_shift_formula_ending_at_zero(spacing, shift):
 def test_uniform_spacing_is_dancegrpo_linspace_to_zero():
     # DanceGRPO / MixGRPO: shift(linspace(1, 0, n+1)); its last point shifts to 0.
     want = _shift(torch.linspace(1, 0, 21, dtype=torch.float64), 3.0)
-    torch.testing.assert_close(flow_schedule(20, shift=3.0, spacing="uniform").sigmas.double(), want,
-                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(flow_schedule(20, shift=3.0, spacing="uniform").sigmas.double(), want, atol=1e-6, rtol=0)
 
 
 def test_flux_mu_matches_diffusers_calculate_shift():

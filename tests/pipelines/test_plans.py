@@ -30,14 +30,18 @@ def test_flow_grpo_fast_random_window_inside_range():
 
 
 def test_mixgrpo_progressive_window_moves_and_rolls_back():
-    starts = [build_plan("window", 8, iteration=it, size=4, schedule="progressive", iters_per_shift=2).trained_steps[0]
-              for it in range(12)]
+    starts = [
+        build_plan("window", 8, iteration=it, size=4, schedule="progressive", iters_per_shift=2).trained_steps[0]
+        for it in range(12)
+    ]
     assert starts == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 0, 0]
 
 
 def test_mixgrpo_decay_spends_fewer_iterations_at_low_noise():
-    starts = [build_plan("window", 6, iteration=it, size=2, schedule="decay", max_iters=4, min_iters=1).trained_steps[0]
-              for it in range(12)]
+    starts = [
+        build_plan("window", 6, iteration=it, size=2, schedule="decay", max_iters=4, min_iters=1).trained_steps[0]
+        for it in range(12)
+    ]
     counts = [starts.count(p) for p in range(5)]
     # 4 iterations at the first position, falling linearly to 1 at the last (4 - 3 p / 4, rounded)
     assert counts == [4, 3, 2, 2, 1]
@@ -82,14 +86,17 @@ def test_ode_only_trains_nothing():
     assert {s.solver for s in plan.steps} == {"dpm2m"}
 
 
-@pytest.mark.parametrize("name,settings,match", [
-    ("window", {"size": 11}, "does not fit"),
-    ("window", {"schedule": "weird"}, "schedule"),
-    ("tree", {"split_steps": (12,)}, "split_steps"),
-    ("branch_points", {"points": [-1]}, "points"),
-    ("probes", {"window_start": 5, "window_end": 5}, "window"),
-    ("ode_only", {"solver": "rk4"}, "solver"),
-])
+@pytest.mark.parametrize(
+    "name,settings,match",
+    [
+        ("window", {"size": 11}, "does not fit"),
+        ("window", {"schedule": "weird"}, "schedule"),
+        ("tree", {"split_steps": (12,)}, "split_steps"),
+        ("branch_points", {"points": [-1]}, "points"),
+        ("probes", {"window_start": 5, "window_end": 5}, "window"),
+        ("ode_only", {"solver": "rk4"}, "solver"),
+    ],
+)
 def test_bad_settings_raise(name, settings, match):
     with pytest.raises(ValueError, match=match):
         build_plan(name, 10, **settings)

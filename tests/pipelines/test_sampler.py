@@ -15,8 +15,14 @@ from pipelines.plans import build_plan  # noqa: E402
 from pipelines.sampler import Sampler, SamplerConfig  # noqa: E402
 
 PROMPTS = ["a cat", "a red dog"]
-PLANS = [("full_sde", {}, 3), ("window", {"size": 2}, 3), ("tree", {"split_steps": (0, 2)}, 4),
-         ("branch_points", {"k": 3, "points": [1, 4]}, 1), ("probes", {}, 2), ("probes", {"one_step": True}, 2)]
+PLANS = [
+    ("full_sde", {}, 3),
+    ("window", {"size": 2}, 3),
+    ("tree", {"split_steps": (0, 2)}, 4),
+    ("branch_points", {"k": 3, "points": [1, 4]}, 1),
+    ("probes", {}, 2),
+    ("probes", {"one_step": True}, 2),
+]
 FLOW_KERNELS = [("flow_sde", {"a": 0.7}), ("dance_sde", {"eta": 0.3}), ("cps", {"a": 0.7})]
 
 
@@ -33,7 +39,9 @@ def _gaussian_logp(x, mean, std):
 
 
 @pytest.mark.parametrize("kernel", FLOW_KERNELS, ids=[k[0] for k in FLOW_KERNELS])
-@pytest.mark.parametrize("plan_name,settings,group", PLANS, ids=[f"{p[0]}{'-1step' if p[1].get('one_step') else ''}" for p in PLANS])
+@pytest.mark.parametrize(
+    "plan_name,settings,group", PLANS, ids=[f"{p[0]}{'-1step' if p[1].get('one_step') else ''}" for p in PLANS]
+)
 def test_on_policy_ratio_is_one_for_every_plan_and_kernel(plan_name, settings, group, kernel):
     adapter = ToyAdapter()
     sampler, tree = _run(adapter, plan_name, settings, group, kernel, keep_means=True)
@@ -44,7 +52,7 @@ def test_on_policy_ratio_is_one_for_every_plan_and_kernel(plan_name, settings, g
     assert torch.allclose(out.mean, tree.edge_mean[edges], atol=1e-6)
     if kernel[0] != "cps":  # cps publishes a constant-free surrogate, not a density
         for e in edges[:4].tolist():
-            want = _gaussian_logp(tree.states[e:e + 1], tree.edge_mean[e:e + 1], float(tree.edge_std[e]))
+            want = _gaussian_logp(tree.states[e : e + 1], tree.edge_mean[e : e + 1], float(tree.edge_std[e]))
             assert abs(float(want) - float(tree.edge_logp[e])) < 1e-4
 
 
@@ -97,8 +105,9 @@ def test_forward_counts_match_closed_forms():
 
 def test_shared_prefix_runs_once_per_prompt_and_splits_at_the_window():
     adapter = ToyAdapter()
-    _, tree = _run(adapter, "window", {"size": 2, "schedule": "fixed", "start": 3}, 4, T=8, cfg_mode="none",
-                   share_noise=True)
+    _, tree = _run(
+        adapter, "window", {"size": 2, "schedule": "fixed", "start": 3}, 4, T=8, cfg_mode="none", share_noise=True
+    )
     # steps 0-3 once per prompt (the split step shares its forward), then 4 chains for steps 4-7
     assert tree.counters["nfe_nograd"] == 2 * (4 + 4 * 4)
     leaves = tree.leaf_latents()
@@ -121,10 +130,13 @@ def test_layouts_for_step_estimators():
     assert int(structure.node_valid.sum()) == 2 * (1 + 2 + 2 + 4 + 4 + 4 + 4)
 
 
-@pytest.mark.parametrize("change,match", [
-    ({"group": 3, "plan": ("tree", {"split_steps": (0,)})}, "multiple"),
-    ({"plan_steps": 5}, "num_steps"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"group": 3, "plan": ("tree", {"split_steps": (0,)})}, "multiple"),
+        ({"plan_steps": 5}, "num_steps"),
+    ],
+)
 def test_bad_rollouts_raise(change, match):
     adapter = ToyAdapter()
     sampler = Sampler(SamplerConfig(num_steps=6))
@@ -147,8 +159,12 @@ def test_kernel_family_mismatch_and_unknown_kernel():
 
 # --- real tiny diffusers models: every kernel x adapter x plan ------------------------------------
 
-ADAPTER_KERNELS = [("sd3", k) for k in FLOW_KERNELS] + [("flux", ("flow_sde", {"a": 0.9})), ("flux", ("cps", {"a": 0.7})),
-                   ("qwenimage", ("dance_sde", {"eta": 0.3})), ("sd15", ("ddim", {"eta": 1.0}))]
+ADAPTER_KERNELS = [("sd3", k) for k in FLOW_KERNELS] + [
+    ("flux", ("flow_sde", {"a": 0.9})),
+    ("flux", ("cps", {"a": 0.7})),
+    ("qwenimage", ("dance_sde", {"eta": 0.3})),
+    ("sd15", ("ddim", {"eta": 1.0})),
+]
 
 
 @pytest.fixture(scope="module")
@@ -158,20 +174,38 @@ def tiny_adapters():
     return {name: build_adapter(name, tiny=True) for name in ("sd3", "flux", "qwenimage", "sd15")}
 
 
-@pytest.mark.parametrize("plan_name,settings,group", PLANS, ids=[f"{p[0]}{'-1step' if p[1].get('one_step') else ''}" for p in PLANS])
+@pytest.mark.parametrize(
+    "plan_name,settings,group", PLANS, ids=[f"{p[0]}{'-1step' if p[1].get('one_step') else ''}" for p in PLANS]
+)
 @pytest.mark.parametrize("family,kernel", ADAPTER_KERNELS, ids=[f"{a}-{k[0]}" for a, k in ADAPTER_KERNELS])
 def test_tiny_models_rescore_to_ratio_one(tiny_adapters, family, kernel, plan_name, settings, group):
     adapter = tiny_adapters[family]
     cfg_mode = "none" if family == "flux" else "full"
-    sampler = Sampler(SamplerConfig(num_steps=4, sde_kernel={"name": kernel[0], **kernel[1]}, cfg_mode=cfg_mode,
-                                    guidance_scale=3.0, keep_means=True))
-    plan = build_plan(plan_name, 4, **{**settings, **({"points": [1, 2]} if plan_name == "branch_points" else {}),
-                                       **({"split_steps": (0, 2)} if plan_name == "tree" else {})})
+    sampler = Sampler(
+        SamplerConfig(
+            num_steps=4,
+            sde_kernel={"name": kernel[0], **kernel[1]},
+            cfg_mode=cfg_mode,
+            guidance_scale=3.0,
+            keep_means=True,
+        )
+    )
+    plan = build_plan(
+        plan_name,
+        4,
+        **{
+            **settings,
+            **({"points": [1, 2]} if plan_name == "branch_points" else {}),
+            **({"split_steps": (0, 2)} if plan_name == "tree" else {}),
+        },
+    )
     tree = sampler.run(adapter, ["a cat"], plan, group, torch.Generator().manual_seed(0))
     edges = tree.trained_edges()
     out = sampler.rescore(adapter, tree, edges, ["a cat"])
-    assert torch.allclose(out.logp, tree.edge_logp[edges], atol=1e-5, rtol=0), (out.logp - tree.edge_logp[edges]).abs().max()
+    assert torch.allclose(out.logp, tree.edge_logp[edges], atol=1e-5, rtol=0), (
+        (out.logp - tree.edge_logp[edges]).abs().max()
+    )
     if kernel[0] != "cps":
         e = int(edges[0])
-        want = _gaussian_logp(tree.states[e:e + 1], tree.edge_mean[e:e + 1], float(tree.edge_std[e]))
+        want = _gaussian_logp(tree.states[e : e + 1], tree.edge_mean[e : e + 1], float(tree.edge_std[e]))
         assert abs(float(want) - float(tree.edge_logp[e])) < 1e-4

@@ -51,7 +51,9 @@ def test_regional_compile_gives_the_same_outputs_and_grads(family):
     assert all(b._compiled_call_impl is not None for b in denoiser_blocks(adapter))  # each block, not the model
     assert adapter.denoiser._compiled_call_impl is None
     _assert_same(plain, _output_and_grads(adapter, params))
-    assert {n for n, _ in adapter.denoiser.named_parameters()} == {n for n, _ in _adapter(family)[0].denoiser.named_parameters()}
+    assert {n for n, _ in adapter.denoiser.named_parameters()} == {
+        n for n, _ in _adapter(family)[0].denoiser.named_parameters()
+    }
 
 
 @pytest.mark.parametrize("family", ["sd3", "flux", "sd15"])
@@ -115,7 +117,8 @@ def test_autocast_runs_bf16_matmuls_on_fp32_weights():
     assert adapter.dtype == torch.float32 and all(p.dtype == torch.float32 for p in params)
     seen = []
     hook = adapter.denoiser.transformer_blocks[0].attn.to_q.base_layer.register_forward_hook(
-        lambda m, i, o: seen.append(o.dtype))
+        lambda m, i, o: seen.append(o.dtype)
+    )
     out, grads = _output_and_grads(adapter, params)
     hook.remove()
     assert seen == [torch.bfloat16] and out.dtype == torch.float32
@@ -139,8 +142,9 @@ def test_t2i_model_config_applies_the_switches():
     from flowgrpo.t2i.config import ModelConfig
     from flowgrpo.t2i.model import build_policy
 
-    cfg = ModelConfig(tiny=True, device="cpu", speed={"gradient_checkpointing": True, "decode_batch_size": 3,
-                                                      "cfg_forward": "split"})
+    cfg = ModelConfig(
+        tiny=True, device="cpu", speed={"gradient_checkpointing": True, "decode_batch_size": 3, "cfg_forward": "split"}
+    )
     adapter, params = build_policy(cfg)
     assert adapter.denoiser.is_gradient_checkpointing and adapter.decode_batch_size == 3
     assert adapter.cfg_forward == "split" and params

@@ -119,16 +119,22 @@ def test_state_round_trip_and_seeding(tmp_path, images):
         a.head.layers[0].weight.add_(0.1)
     a(images)  # advance the patch generator
     state = a.state_tensors()
-    assert set(state) == {"head.layers.0.weight", "head.layers.0.bias", "head.layers.2.weight",
-                          "head.layers.2.bias", "patch_generator"}
+    assert set(state) == {
+        "head.layers.0.weight",
+        "head.layers.0.bias",
+        "head.layers.2.weight",
+        "head.layers.2.bias",
+        "patch_generator",
+    }
     c = build_scorer("dino_discriminator", tiny=True, device="cpu", num_patches=K, seed=7)
     assert not torch.equal(c(images)["dino_discriminator"], a(images)["dino_discriminator"])
     state = a.state_tensors()
     c.load_state_tensors(state)
     assert torch.equal(c(images)["dino_discriminator"], a(images)["dino_discriminator"])
     a.save_head(tmp_path / "head.safetensors")
-    d = build_scorer("dino_discriminator", tiny=True, device="cpu", num_patches=K,
-                     head=str(tmp_path / "head.safetensors"))
+    d = build_scorer(
+        "dino_discriminator", tiny=True, device="cpu", num_patches=K, head=str(tmp_path / "head.safetensors")
+    )
     assert torch.equal(d(images)["dino_discriminator/cls"], a(images)["dino_discriminator/cls"])
 
 

@@ -16,11 +16,16 @@ def test_head_layout_is_the_published_one():
     assert sum(p.numel() for p in head.parameters()) == 927_969
     shapes = {k: tuple(v.shape) for k, v in head.state_dict().items()}
     assert shapes == {
-        "layers.0.weight": (1024, 768), "layers.0.bias": (1024,),
-        "layers.2.weight": (128, 1024), "layers.2.bias": (128,),
-        "layers.4.weight": (64, 128), "layers.4.bias": (64,),
-        "layers.6.weight": (16, 64), "layers.6.bias": (16,),
-        "layers.7.weight": (1, 16), "layers.7.bias": (1,),
+        "layers.0.weight": (1024, 768),
+        "layers.0.bias": (1024,),
+        "layers.2.weight": (128, 1024),
+        "layers.2.bias": (128,),
+        "layers.4.weight": (64, 128),
+        "layers.4.bias": (64,),
+        "layers.6.weight": (16, 64),
+        "layers.6.bias": (16,),
+        "layers.7.weight": (1, 16),
+        "layers.7.bias": (1,),
     }
     dropouts = [m.p for m in head.layers if isinstance(m, torch.nn.Dropout)]
     assert dropouts == [0.2, 0.2, 0.1]
@@ -62,8 +67,9 @@ def test_score_is_head_of_normalised_clip_embedding(tiny_clip, images, tmp_path)
         expected = head.eval()(F.normalize(feats, dim=-1)).squeeze(-1)
     out = scorer(images)
     assert set(out) == {"aesthetic"} and torch.allclose(out["aesthetic"], expected, atol=1e-5)
-    chunked = build_scorer("aesthetic", tiny=True, head=str(tmp_path / "head.safetensors"), device="cpu",
-                           batch_size=2)(images)["aesthetic"]
+    chunked = build_scorer("aesthetic", tiny=True, head=str(tmp_path / "head.safetensors"), device="cpu", batch_size=2)(
+        images
+    )["aesthetic"]
     assert torch.allclose(chunked, expected, atol=1e-5)
 
 

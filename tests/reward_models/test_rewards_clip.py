@@ -17,8 +17,9 @@ def reference_logits(backbone, images, prompts):
     pixels = backbone.pixel_values(ImageBatch(images))
     tokens = backbone.tokenizer(prompts, padding=True, truncation=True, return_tensors="pt")
     with torch.no_grad():
-        out = backbone.model(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"],
-                             pixel_values=pixels)
+        out = backbone.model(
+            input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"], pixel_values=pixels
+        )
     return out.logits_per_image.diag(), backbone.model.logit_scale.exp().item()
 
 
@@ -90,8 +91,9 @@ def test_no_graph_without_grad(tiny_clip, images):
 
 
 def test_pil_reference_path_is_close_to_tensor_path(tiny_clip, images):
-    pil_backbone = ClipBackbone(tiny_clip.model, tiny_clip.tokenizer, tiny_clip.processor,
-                                device="cpu", preprocess="pil")
+    pil_backbone = ClipBackbone(
+        tiny_clip.model, tiny_clip.tokenizer, tiny_clip.processor, device="cpu", preprocess="pil"
+    )
     via_tensor = ClipScore(tiny_clip)(images, PROMPTS)["clip_score"]
     via_pil = ClipScore(pil_backbone)(ImageBatch(images).pil(), PROMPTS)["clip_score"]
     assert torch.allclose(via_tensor, via_pil, atol=0.02)
@@ -106,8 +108,9 @@ def test_from_pretrained_local_directory(tmp_path, images):
     assert loaded.backbone.spec == tiny.backbone.spec
     assert torch.allclose(loaded(images, PROMPTS)["pickscore"], tiny(images, PROMPTS)["pickscore"], atol=1e-5)
     same = build_scorer({"name": "clip_score", "model": str(tmp_path), "local_files_only": True, "device": "cpu"})
-    assert torch.allclose(same(images, PROMPTS)["clip_score"] * tiny.backbone.logit_scale(),
-                          tiny(images, PROMPTS)["pickscore"], atol=1e-4)
+    assert torch.allclose(
+        same(images, PROMPTS)["clip_score"] * tiny.backbone.logit_scale(), tiny(images, PROMPTS)["pickscore"], atol=1e-4
+    )
 
 
 def test_missing_local_checkpoint_fails_fast(tmp_path):

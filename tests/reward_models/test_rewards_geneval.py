@@ -13,8 +13,15 @@ import pytest
 import torch
 
 from reward_models import build_scorer
-from reward_models.geneval import (COLORS, Detection, evaluate, keep_detections, make_detector_server,
-                                   relative_position, summarize)
+from reward_models.geneval import (
+    COLORS,
+    Detection,
+    evaluate,
+    keep_detections,
+    make_detector_server,
+    relative_position,
+    summarize,
+)
 from reward_models.remote import RemoteRewardError
 
 FAST = dict(timeout_s=2.0, max_attempts=3, backoff_s=0.02, max_backoff_s=0.05, seed=0)
@@ -92,21 +99,26 @@ def test_keep_detections_threshold_order_cap_and_nms():
     kept = keep_detections(dets, threshold=0.3)
     assert [d.score for d in kept["dog"]] == [0.9, 0.5, 0.31]  # strictly above, best first
     assert len(keep_detections(dets * 10, threshold=0.0, max_objects=16)["dog"]) == 16
-    overlapping = [Detection("cat", 0.9, (0, 0, 10, 10)), Detection("cat", 0.8, (1, 0, 11, 10)),
-                   Detection("cat", 0.7, (50, 50, 60, 60))]
+    overlapping = [
+        Detection("cat", 0.9, (0, 0, 10, 10)),
+        Detection("cat", 0.8, (1, 0, 11, 10)),
+        Detection("cat", 0.7, (50, 50, 60, 60)),
+    ]
     assert len(keep_detections(overlapping, threshold=0.3)["cat"]) == 3  # NMS off at 1.0 (GenEval default)
     assert [d.score for d in keep_detections(overlapping, threshold=0.3, nms_iou=0.5)["cat"]] == [0.9, 0.7]
 
 
 def test_single_object():
-    out, fn, _ = score([
-        (single(), [det("dog")]),                          # right
-        (single(), []),                                    # missing
-        (single(), [det("dog", 0.25)]),                    # below the 0.3 threshold
-        (single(), [det("dog"), det("dog", 0.8, (50, 50, 60, 60))]),  # two dogs: not strict, still "correct"
-        (single(), [det("Dog "), det("cat")]),             # labels compare lower-case; other classes ignored
-        (single(), [det("dog"), det("dog"), det("dog")]),  # over-counting by 2: partial score -1
-    ])
+    out, fn, _ = score(
+        [
+            (single(), [det("dog")]),  # right
+            (single(), []),  # missing
+            (single(), [det("dog", 0.25)]),  # below the 0.3 threshold
+            (single(), [det("dog"), det("dog", 0.8, (50, 50, 60, 60))]),  # two dogs: not strict, still "correct"
+            (single(), [det("Dog "), det("cat")]),  # labels compare lower-case; other classes ignored
+            (single(), [det("dog"), det("dog"), det("dog")]),  # over-counting by 2: partial score -1
+        ]
+    )
     assert out["geneval"].tolist() == [1.0, 0.0, 0.0, 0.0, 1.0, -1.0]
     assert out["geneval/strict"].tolist() == [1.0, 0.0, 0.0, 0.0, 1.0, 0.0]
     assert out["geneval/correct"].tolist() == [1.0, 0.0, 0.0, 1.0, 1.0, 1.0]
@@ -123,11 +135,13 @@ def test_two_objects():
 def test_counting_uses_the_higher_threshold_and_excludes():
     meta = {"tag": "counting", "include": [{"class": "apple", "count": 3}], "exclude": [{"class": "apple", "count": 4}]}
     three = [det("apple", 0.95, (i * 20, 0, i * 20 + 10, 10)) for i in range(3)]
-    out, _, _ = score([
-        (meta, three),
-        (meta, three[:2] + [det("apple", 0.85, (90, 0, 99, 10))]),  # 0.85 < 0.9: only 2 apples count
-        (meta, three + [det("apple", 0.95, (90, 0, 99, 10))]),     # 4 apples: excluded
-    ])
+    out, _, _ = score(
+        [
+            (meta, three),
+            (meta, three[:2] + [det("apple", 0.85, (90, 0, 99, 10))]),  # 0.85 < 0.9: only 2 apples count
+            (meta, three + [det("apple", 0.95, (90, 0, 99, 10))]),  # 4 apples: excluded
+        ]
+    )
     assert out["geneval"].tolist() == pytest.approx([1.0, 1 - 1 / 3, 1 - 1 / 3])
     assert out["geneval/strict"].tolist() == [1.0, 0.0, 0.0]
     assert out["geneval/correct"].tolist() == [1.0, 0.0, 0.0]  # >= 3 holds for 4, but the exclude fails
@@ -139,12 +153,14 @@ def test_counting_uses_the_higher_threshold_and_excludes():
 
 def test_colors():
     meta = single("car", tag="colors", color="red")
-    out, fn, scorer = score([
-        (meta, [det("car", color="red")]),
-        (meta, [det("car", color="blue")]),
-        (meta, [{**det("car"), "colors": {"red": 0.1, "green": 0.7, "blue": 0.2}}]),  # probabilities: argmax
-        (meta, [det("car")]),  # no colour from the detector: cannot score
-    ])
+    out, fn, scorer = score(
+        [
+            (meta, [det("car", color="red")]),
+            (meta, [det("car", color="blue")]),
+            (meta, [{**det("car"), "colors": {"red": 0.1, "green": 0.7, "blue": 0.2}}]),  # probabilities: argmax
+            (meta, [det("car")]),  # no colour from the detector: cannot score
+        ]
+    )
     assert out["geneval"][:3].tolist() == [1.0, 0.5, 0.5]  # count term 1, colour term 0 -> mean 0.5
     assert out["geneval/strict"][:3].tolist() == [1.0, 0.0, 0.0]
     assert torch.isnan(out["geneval"][3]) and torch.isnan(out["geneval/strict"][3])
@@ -154,28 +170,40 @@ def test_colors():
 
 
 def test_position():
-    meta = {"tag": "position", "include": [{"class": "dog", "count": 1},
-                                           {"class": "cat", "count": 1, "position": ["left of", 0]}]}
-    dog, cat_left, cat_right = det("dog", box=(60, 0, 80, 20)), det("cat", box=(0, 0, 20, 20)), det("cat", box=(90, 0, 99, 20))
-    out, _, _ = score([
-        (meta, [dog, cat_left]),
-        (meta, [dog, cat_right]),
-        (meta, [cat_left]),  # no dog: the position cannot hold
-        (meta, [dog, det("cat", box=(59, 0, 79, 20))]),  # within the margin: no relation
-    ])
+    meta = {
+        "tag": "position",
+        "include": [{"class": "dog", "count": 1}, {"class": "cat", "count": 1, "position": ["left of", 0]}],
+    }
+    dog, cat_left, cat_right = (
+        det("dog", box=(60, 0, 80, 20)),
+        det("cat", box=(0, 0, 20, 20)),
+        det("cat", box=(90, 0, 99, 20)),
+    )
+    out, _, _ = score(
+        [
+            (meta, [dog, cat_left]),
+            (meta, [dog, cat_right]),
+            (meta, [cat_left]),  # no dog: the position cannot hold
+            (meta, [dog, det("cat", box=(59, 0, 79, 20))]),  # within the margin: no relation
+        ]
+    )
     assert out["geneval"].tolist() == pytest.approx([1.0, 2 / 3, 1 / 3, 2 / 3])
     assert out["geneval/strict"].tolist() == [1.0, 0.0, 0.0, 0.0]
     assert out["geneval/correct"].tolist() == [1.0, 0.0, 0.0, 0.0]
 
 
 def test_color_attribution():
-    meta = {"tag": "color_attr", "include": [{"class": "bench", "count": 1, "color": "blue"},
-                                             {"class": "vase", "count": 1, "color": "yellow"}]}
-    out, _, _ = score([
-        (meta, [det("bench", color="blue"), det("vase", color="yellow")]),
-        (meta, [det("bench", color="yellow"), det("vase", color="blue")]),  # colours swapped
-        (meta, [det("bench", color="blue")]),
-    ])
+    meta = {
+        "tag": "color_attr",
+        "include": [{"class": "bench", "count": 1, "color": "blue"}, {"class": "vase", "count": 1, "color": "yellow"}],
+    }
+    out, _, _ = score(
+        [
+            (meta, [det("bench", color="blue"), det("vase", color="yellow")]),
+            (meta, [det("bench", color="yellow"), det("vase", color="blue")]),  # colours swapped
+            (meta, [det("bench", color="blue")]),
+        ]
+    )
     assert out["geneval"].tolist() == pytest.approx([1.0, 0.5, (1 + 1 + 0) / 3])
     assert out["geneval/strict"].tolist() == [1.0, 0.0, 0.0]
 
@@ -183,8 +211,9 @@ def test_color_attribution():
 def test_original_geneval_checks_only_the_best_count_objects():
     # two dogs, the best one red: "a red dog" is correct for GenEval (>= 1, best one red), not strict
     meta = single("dog", tag="colors", color="red")
-    verdict = evaluate([Detection("dog", 0.9, (0, 0, 5, 5), "red"), Detection("dog", 0.8, (9, 9, 15, 15), "green")],
-                       meta)
+    verdict = evaluate(
+        [Detection("dog", 0.9, (0, 0, 5, 5), "red"), Detection("dog", 0.8, (9, 9, 15, 15), "green")], meta
+    )
     assert verdict.correct and not verdict.strict and verdict.score == 0.0
 
 
@@ -194,14 +223,17 @@ def test_summary_per_tag_and_overall():
     assert summary == {"colors": 1.0, "counting": 0.5, "position": 1.0, "overall": pytest.approx(2.5 / 3)}
 
 
-@pytest.mark.parametrize("meta,why", [
-    ({"tag": "x"}, "non-empty 'include'"),
-    ({"include": [{"count": 1}]}, "needs a 'class'"),
-    ({"include": [{"class": "dog", "count": 0}]}, "integer >= 1"),
-    ({"include": [{"class": "dog", "position": ["left of", 0]}]}, "earlier include entry"),
-    ({"include": [{"class": "dog"}, {"class": "cat", "position": ["beside", 0]}]}, "relation"),
-    ("{not json", "not JSON"),
-])
+@pytest.mark.parametrize(
+    "meta,why",
+    [
+        ({"tag": "x"}, "non-empty 'include'"),
+        ({"include": [{"count": 1}]}, "needs a 'class'"),
+        ({"include": [{"class": "dog", "count": 0}]}, "integer >= 1"),
+        ({"include": [{"class": "dog", "position": ["left of", 0]}]}, "earlier include entry"),
+        ({"include": [{"class": "dog"}, {"class": "cat", "position": ["beside", 0]}]}, "relation"),
+        ("{not json", "not JSON"),
+    ],
+)
 def test_malformed_metadata_raises(meta, why):
     with pytest.raises(ValueError, match=why):
         evaluate([], meta)
@@ -261,7 +293,9 @@ class BadHandler(BaseHTTPRequestHandler):
         elif mode == "wrong_length":
             self._send(200, json.dumps({"detections": [[]] * (n + 1)}).encode())
         elif mode == "bad_box":
-            self._send(200, json.dumps({"detections": [[{"label": "dog", "score": 0.9, "box": [5, 5, 1, 1]}]] * n}).encode())
+            self._send(
+                200, json.dumps({"detections": [[{"label": "dog", "score": 0.9, "box": [5, 5, 1, 1]}]] * n}).encode()
+            )
         elif mode == "unavailable":
             self._send(503, b'{"error": "busy"}')
 
@@ -277,9 +311,16 @@ def bad(mode, delay=0.0):
         server.server_close()
 
 
-@pytest.mark.parametrize("mode,why", [("garbage", "Expecting value"), ("error", "HTTP 500: mmdet exploded"),
-                                      ("wrong_length", "for 3 images, expected 2"), ("bad_box", "x2 < x1"),
-                                      ("unavailable", "3 attempt")])
+@pytest.mark.parametrize(
+    "mode,why",
+    [
+        ("garbage", "Expecting value"),
+        ("error", "HTTP 500: mmdet exploded"),
+        ("wrong_length", "for 3 images, expected 2"),
+        ("bad_box", "x2 < x1"),
+        ("unavailable", "3 attempt"),
+    ],
+)
 def test_detector_failures_are_nan_and_counted_or_raise(mode, why):
     metas = {"geneval": [single(), single()]}
     with bad(mode) as (url, _):

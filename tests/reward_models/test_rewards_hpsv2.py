@@ -132,8 +132,12 @@ def test_loads_released_checkpoint_layouts(tiny_hps, images, tmp_path):
     torch.save({"state_dict": state, "epoch": 1}, folder / "HPS_v2.1_compressed.pt")
     torch.save({f"module.{k}": v.half() for k, v in state.items()}, folder / "HPS_v2_compressed.pt")
     hps.convert_hps_checkpoint(folder / "HPS_v2.1_compressed.pt", tmp_path / "hps.safetensors")
-    for model, version, atol in [(str(folder), "v2.1", 1e-6), (str(folder / "HPS_v2.1_compressed.pt"), "v2.1", 1e-6),
-                                 (str(tmp_path / "hps.safetensors"), "v2.1", 1e-6), (str(folder), "v2.0", 2e-3)]:
+    for model, version, atol in [
+        (str(folder), "v2.1", 1e-6),
+        (str(folder / "HPS_v2.1_compressed.pt"), "v2.1", 1e-6),
+        (str(tmp_path / "hps.safetensors"), "v2.1", 1e-6),
+        (str(folder), "v2.0", 2e-3),
+    ]:
         scorer = build_scorer("hpsv2", model=model, version=version, arch=arch, device="cpu")
         assert torch.allclose(scorer(images, PROMPTS)["hpsv2"], expected, atol=atol), (model, version)
 

@@ -21,38 +21,53 @@ def tiny_ir():
 
 # --- the official layout, written out independently of reward_models.imagereward ---------------
 
+
 def to_official(state):
     """Our keys -> ImageReward.pt keys (BLIP's ViT, MED, the MLP), plus BLIP's unused extras."""
     out = {}
     for key, value in state.items():
         if key.startswith("head."):
-            new = "mlp." + key[len("head."):]
+            new = "mlp." + key[len("head.") :]
         elif key.startswith("text."):
-            new = "blip.text_encoder." + key[len("text."):]
+            new = "blip.text_encoder." + key[len("text.") :]
         else:
-            rest = key[len("vision."):]
-            top = {"embeddings.class_embedding": "cls_token", "embeddings.position_embedding": "pos_embed",
-                   "embeddings.patch_embedding.weight": "patch_embed.proj.weight",
-                   "embeddings.patch_embedding.bias": "patch_embed.proj.bias",
-                   "post_layernorm.weight": "norm.weight", "post_layernorm.bias": "norm.bias"}
+            rest = key[len("vision.") :]
+            top = {
+                "embeddings.class_embedding": "cls_token",
+                "embeddings.position_embedding": "pos_embed",
+                "embeddings.patch_embedding.weight": "patch_embed.proj.weight",
+                "embeddings.patch_embedding.bias": "patch_embed.proj.bias",
+                "post_layernorm.weight": "norm.weight",
+                "post_layernorm.bias": "norm.bias",
+            }
             if rest in top:
                 new = "blip.visual_encoder." + top[rest]
             else:
                 _, _, i, *tail = rest.split(".")
                 tail = ".".join(tail)
-                for ours, theirs in [("layer_norm1.", "norm1."), ("self_attn.qkv.", "attn.qkv."),
-                                     ("self_attn.projection.", "attn.proj."), ("layer_norm2.", "norm2."),
-                                     ("mlp.", "mlp.")]:
+                for ours, theirs in [
+                    ("layer_norm1.", "norm1."),
+                    ("self_attn.qkv.", "attn.qkv."),
+                    ("self_attn.projection.", "attn.proj."),
+                    ("layer_norm2.", "norm2."),
+                    ("mlp.", "mlp."),
+                ]:
                     if tail.startswith(ours):
-                        tail = theirs + tail[len(ours):]
+                        tail = theirs + tail[len(ours) :]
                         break
                 new = f"blip.visual_encoder.blocks.{i}.{tail}"
         out[new] = value.clone()
     width, text_width = out["blip.visual_encoder.cls_token"].shape[-1], out["mlp.layers.0.weight"].shape[1]
     positions = out["blip.text_encoder.embeddings.position_embeddings.weight"].shape[0]
-    out.update({"blip.vision_proj.weight": torch.randn(8, width), "blip.vision_proj.bias": torch.zeros(8),
-                "blip.text_proj.weight": torch.randn(8, text_width), "blip.text_proj.bias": torch.zeros(8),
-                "blip.text_encoder.embeddings.position_ids": torch.arange(positions)[None]})
+    out.update(
+        {
+            "blip.vision_proj.weight": torch.randn(8, width),
+            "blip.vision_proj.bias": torch.zeros(8),
+            "blip.text_proj.weight": torch.randn(8, text_width),
+            "blip.text_proj.bias": torch.zeros(8),
+            "blip.text_encoder.embeddings.position_ids": torch.arange(positions)[None],
+        }
+    )
     return out
 
 
@@ -77,8 +92,16 @@ def reference_score(w, pixels, input_ids, attention_mask, vision_heads, text_hea
     """BLIP ViT (timm-style pre-norm blocks, LN eps 1e-6, final norm) -> MED BERT encoder with
     cross-attention in every layer (post-norm, eps 1e-12) -> [CLS] -> MLP -> (x - mean) / std."""
     v = "blip.visual_encoder."
-    x = F.conv2d(pixels, w[v + "patch_embed.proj.weight"], w[v + "patch_embed.proj.bias"],
-                 stride=w[v + "patch_embed.proj.weight"].shape[-1]).flatten(2).transpose(1, 2)
+    x = (
+        F.conv2d(
+            pixels,
+            w[v + "patch_embed.proj.weight"],
+            w[v + "patch_embed.proj.bias"],
+            stride=w[v + "patch_embed.proj.weight"].shape[-1],
+        )
+        .flatten(2)
+        .transpose(1, 2)
+    )
     x = torch.cat([w[v + "cls_token"].expand(len(x), -1, -1), x], 1) + w[v + "pos_embed"]
     depth = 1 + max(int(k.split(".")[3]) for k in w if k.startswith(v + "blocks."))
     for i in range(depth):
@@ -96,8 +119,13 @@ def reference_score(w, pixels, input_ids, attention_mask, vision_heads, text_hea
     for i in range(layers):
         p = f"{t}encoder.layer.{i}."
         for part, kv, mask in (("attention.", h, attention_mask), ("crossattention.", image, None)):
-            ctx = attention(linear(h, w, p + part + "self.query."), linear(kv, w, p + part + "self.key."),
-                            linear(kv, w, p + part + "self.value."), text_heads, mask)
+            ctx = attention(
+                linear(h, w, p + part + "self.query."),
+                linear(kv, w, p + part + "self.key."),
+                linear(kv, w, p + part + "self.value."),
+                text_heads,
+                mask,
+            )
             h = ln(linear(ctx, w, p + part + "output.dense.") + h, w, p + part + "output.LayerNorm.", 1e-12)
         ffn = linear(F.gelu(linear(h, w, p + "intermediate.dense.")), w, p + "output.dense.")
         h = ln(ffn + h, w, p + "output.LayerNorm.", 1e-12)
@@ -115,12 +143,14 @@ def write_official(folder, scorer, *, med=True):
         (folder / "med_config.json").write_text(
             '{"architectures": ["BertModel"], "hidden_size": %d, "num_attention_heads": %d, "vocab_size": %d, '
             '"encoder_width": 768, "add_cross_attention": true, "layer_norm_eps": 1e-12}'
-            % (text.hidden_size, text.num_attention_heads, text.vocab_size))
+            % (text.hidden_size, text.num_attention_heads, text.vocab_size)
+        )
     ir.tiny_bert_tokenizer(blip=False).save_pretrained(folder / "bert")  # stands in for bert-base-uncased
     return folder
 
 
 # --- tests -------------------------------------------------------------------------------------
+
 
 def test_constants_are_the_published_values():
     # the THUDM/ImageReward source
@@ -128,14 +158,30 @@ def test_constants_are_the_published_values():
     assert ir.IMAGEREWARD_MAX_LENGTH == 35 and ir.IMAGEREWARD_IMAGE_SIZE == 224
     assert ir.OPENAI_CLIP_MEAN == (0.48145466, 0.4578275, 0.40821073)
     assert ir.OPENAI_CLIP_STD == (0.26862954, 0.26130258, 0.27577711)
-    assert (ir.IMAGEREWARD_REPO, ir.IMAGEREWARD_FILE, ir.BERT_TOKENIZER) == ("THUDM/ImageReward", "ImageReward.pt",
-                                                                            "bert-base-uncased")
+    assert (ir.IMAGEREWARD_REPO, ir.IMAGEREWARD_FILE, ir.BERT_TOKENIZER) == (
+        "THUDM/ImageReward",
+        "ImageReward.pt",
+        "bert-base-uncased",
+    )
     vit = ir.VISION_CONFIG  # BLIP create_vit('large', 224)
-    assert (vit["hidden_size"], vit["num_hidden_layers"], vit["num_attention_heads"], vit["patch_size"],
-            vit["image_size"], vit["layer_norm_eps"], vit["hidden_act"]) == (1024, 24, 16, 16, 224, 1e-6, "gelu")
+    assert (
+        vit["hidden_size"],
+        vit["num_hidden_layers"],
+        vit["num_attention_heads"],
+        vit["patch_size"],
+        vit["image_size"],
+        vit["layer_norm_eps"],
+        vit["hidden_act"],
+    ) == (1024, 24, 16, 16, 224, 1e-6, "gelu")
     med = ir.TEXT_CONFIG  # med_config.json: BERT-base + 2 BLIP tokens, cross-attention to the ViT
-    assert (med["vocab_size"], med["hidden_size"], med["num_hidden_layers"], med["num_attention_heads"],
-            med["encoder_hidden_size"], med["layer_norm_eps"]) == (30524, 768, 12, 12, 1024, 1e-12)
+    assert (
+        med["vocab_size"],
+        med["hidden_size"],
+        med["num_hidden_layers"],
+        med["num_attention_heads"],
+        med["encoder_hidden_size"],
+        med["layer_norm_eps"],
+    ) == (30524, 768, 12, 12, 1024, 1e-12)
     head = ir.AestheticHead(input_dim=768)
     linears = [m for m in head.layers if isinstance(m, torch.nn.Linear)]
     sizes = [(m.in_features, m.out_features) for m in linears]
@@ -175,9 +221,14 @@ def test_score_matches_an_independent_reference_forward(tiny_ir, images):
     tokens = tiny_ir.tokens(PROMPTS)
     assert tokens["input_ids"].shape == (5, 35) and (tokens["input_ids"][:, 0] == tiny_ir.tokenizer.cls_token_id).all()
     with torch.no_grad():
-        expected = reference_score(w, pixels, tokens["input_ids"], tokens["attention_mask"],
-                                   vision_heads=tiny_ir.model.vision.config.num_attention_heads,
-                                   text_heads=tiny_ir.model.text.config.num_attention_heads)
+        expected = reference_score(
+            w,
+            pixels,
+            tokens["input_ids"],
+            tokens["attention_mask"],
+            vision_heads=tiny_ir.model.vision.config.num_attention_heads,
+            text_heads=tiny_ir.model.text.config.num_attention_heads,
+        )
     pil = ir.ImageReward(tiny_ir.model, tiny_ir.tokenizer, device="cpu", preprocess="pil")
     got = pil(images, PROMPTS)["imagereward"]
     assert set(pil(images, PROMPTS)) == {"imagereward"} and got.dtype == torch.float32

@@ -12,11 +12,14 @@ from rewards_helpers import PROMPTS
 
 
 def test_total_is_weighted_sum_and_outputs_are_kept(images):
-    multi = build_scorer("multi", rewards=[
-        {"name": "brightness", "weight": 2.0},
-        {"name": "jpeg_compressibility", "weight": -1 / 500},
-        {"name": "pickscore", "tiny": True, "device": "cpu", "weight": 1 / 26},
-    ])
+    multi = build_scorer(
+        "multi",
+        rewards=[
+            {"name": "brightness", "weight": 2.0},
+            {"name": "jpeg_compressibility", "weight": -1 / 500},
+            {"name": "pickscore", "tiny": True, "device": "cpu", "weight": 1 / 26},
+        ],
+    )
     out = multi(images, PROMPTS)
     assert set(out) == {"brightness", "jpeg_compressibility", "pickscore", "total"}
     expected = 2 * out["brightness"] - out["jpeg_compressibility"] / 500 + out["pickscore"] / 26

@@ -78,14 +78,17 @@ def test_unknown_engine_is_an_error():
         OCRScorer(object())
 
 
-@pytest.mark.parametrize("recognised,target,reward,dist", [
-    ("Hello World", "hello world", 1.0, 0),             # case and spaces do not count
-    ("OPEN 24 HOURS daily", "24 hours", 1.0, 0),         # a substring is a perfect match
-    ("HELL0 WORLD", "Hello World", 0.9, 1),              # one substitution over 10 characters
-    ("", "coffee", 0.0, 6),                              # nothing read: distance capped at len(target)
-    ("a very long unrelated sentence", "cat", 0.0, 3),   # cap: never below 0
-    ("caat", "cat", 1 - 1 / 3, 1),                       # one insertion
-])
+@pytest.mark.parametrize(
+    "recognised,target,reward,dist",
+    [
+        ("Hello World", "hello world", 1.0, 0),  # case and spaces do not count
+        ("OPEN 24 HOURS daily", "24 hours", 1.0, 0),  # a substring is a perfect match
+        ("HELL0 WORLD", "Hello World", 0.9, 1),  # one substitution over 10 characters
+        ("", "coffee", 0.0, 6),  # nothing read: distance capped at len(target)
+        ("a very long unrelated sentence", "cat", 0.0, 3),  # cap: never below 0
+        ("caat", "cat", 1 - 1 / 3, 1),  # one insertion
+    ],
+)
 def test_flow_grpo_rule(recognised, target, reward, dist):
     r, d = ocr_distance(normalise(recognised), normalise(target))
     assert r == pytest.approx(reward) and d == dist
@@ -99,17 +102,25 @@ def test_targets_from_prompts():
 
 
 def test_scorer_rules_nan_and_counters_with_a_fake_engine():
-    engine = FakeEngine({
-        0: [("HELLO", 0.9), ("W0RLD", 0.8)],
-        1: [("STOP", 0.95)],
-        2: [("noise", 0.0), ("CAFE", 0.7)],    # confidence 0 is dropped (Flow-GRPO keeps conf > 0)
-        3: RuntimeError("engine crashed"),
-        4: [("anything", 0.9)],
-        5: [("MENU", 0.9)],
-    })
+    engine = FakeEngine(
+        {
+            0: [("HELLO", 0.9), ("W0RLD", 0.8)],
+            1: [("STOP", 0.95)],
+            2: [("noise", 0.0), ("CAFE", 0.7)],  # confidence 0 is dropped (Flow-GRPO keeps conf > 0)
+            3: RuntimeError("engine crashed"),
+            4: [("anything", 0.9)],
+            5: [("MENU", 0.9)],
+        }
+    )
     scorer = OCRScorer(engine, workers=3, batch_size=4)
-    prompts = ['a card "Hello World"', 'a road sign "STOP"', 'a shop "Cafe"', 'a poster "Sale"', "no quotes here",
-               "ignored"]
+    prompts = [
+        'a card "Hello World"',
+        'a road sign "STOP"',
+        'a shop "Cafe"',
+        'a poster "Sale"',
+        "no quotes here",
+        "ignored",
+    ]
     out = scorer(tagged(6), prompts, {"ocr_target": [None, None, None, None, None, "menu"]})
     reward = out["ocr"]
     assert reward[:3].tolist() == pytest.approx([0.9, 1.0, 1.0])

@@ -32,8 +32,13 @@ def reference_logprobs(scorer, image, prompt, query=pe.DEFAULT_QUERY):
     n = enc["input_ids"].shape[1]
     ids = torch.cat([enc["input_ids"], torch.tensor([answer], dtype=torch.long)], 1)
     with torch.no_grad():
-        logits = scorer.model(input_ids=ids, attention_mask=torch.ones_like(ids),
-                              pixel_values=enc["pixel_values"].to(scorer.dtype)).logits[0].float()
+        logits = (
+            scorer.model(
+                input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=enc["pixel_values"].to(scorer.dtype)
+            )
+            .logits[0]
+            .float()
+        )
     logp = logits.log_softmax(-1)
     return torch.stack([logp[n - 1 + j, token] for j, token in enumerate(answer)])
 
@@ -129,7 +134,8 @@ def test_loads_a_local_checkpoint_directory(tiny_echo, echo_images, tmp_path):
     assert type(loaded.model).__name__ == "LlavaForConditionalGeneration"
     assert type(loaded.processor.image_processor).__name__ == "CLIPImageProcessorPil"  # image_backend="pil"
     assert loaded.prefix == tiny_echo.prefix
-    assert torch.allclose(loaded(echo_images, PROMPTS)["prompt_echo"], tiny_echo(echo_images, PROMPTS)["prompt_echo"],
-                          atol=1e-5)
+    assert torch.allclose(
+        loaded(echo_images, PROMPTS)["prompt_echo"], tiny_echo(echo_images, PROMPTS)["prompt_echo"], atol=1e-5
+    )
     with pytest.raises(OSError):  # a hub id offline fails fast, without a download
         build_scorer("prompt_echo", local_files_only=True, device="cpu")

@@ -11,9 +11,23 @@ from reward_models.registry import unregister
 
 PACKAGE = Path(__file__).resolve().parents[2] / "reward_models"
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "reward_server.py"
-BUILTINS = {"brightness", "colorfulness", "jpeg_compressibility", "jpeg_incompressibility", "clip_score",
-            "pickscore", "aesthetic", "image_similarity", "remote", "multi", "pointwise_as_pairwise",
-            "ocr", "vlm_judge", "vlm_judge_pairwise", "geneval"}
+BUILTINS = {
+    "brightness",
+    "colorfulness",
+    "jpeg_compressibility",
+    "jpeg_incompressibility",
+    "clip_score",
+    "pickscore",
+    "aesthetic",
+    "image_similarity",
+    "remote",
+    "multi",
+    "pointwise_as_pairwise",
+    "ocr",
+    "vlm_judge",
+    "vlm_judge_pairwise",
+    "geneval",
+}
 
 
 def test_builtins_are_registered_with_their_kind():
@@ -70,8 +84,10 @@ def test_entries_expose_settings_with_published_defaults():
 
 
 def test_import_is_light():
-    code = ("import sys, reward_models; heavy = [m for m in ('torch', 'transformers', 'PIL') if m in sys.modules];"
-            "assert not heavy, heavy")
+    code = (
+        "import sys, reward_models; heavy = [m for m in ('torch', 'transformers', 'PIL') if m in sys.modules];"
+        "assert not heavy, heavy"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
@@ -79,6 +95,13 @@ def test_no_trainer_imports_and_no_pickle():
     sources = list(PACKAGE.glob("*.py")) + [SCRIPT]
     for path in sources:
         text = path.read_text()
-        for banned in ("import flowgrpo", "from flowgrpo", "import pipelines", "from pipelines",
-                       "import pickle", "import dill", "import cloudpickle"):
+        for banned in (
+            "import flowgrpo",
+            "from flowgrpo",
+            "import pipelines",
+            "from pipelines",
+            "import pickle",
+            "import dill",
+            "import cloudpickle",
+        ):
             assert banned not in text, f"{path.name}: {banned}"

@@ -73,7 +73,8 @@ class StubHandler(BaseHTTPRequestHandler):
 @contextmanager
 def serving(server):
     server.serve_in_thread() if hasattr(server, "serve_in_thread") else threading.Thread(
-        target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+    ).start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
@@ -148,8 +149,9 @@ def test_down_server_fails_within_bounded_time(images):
 
 
 def test_deadline_bounds_total_time():
-    remote = RemoteScorer(f"http://127.0.0.1:{free_port()}", max_attempts=1000, backoff_s=0.05,
-                          max_backoff_s=0.1, deadline_s=0.5, seed=0)
+    remote = RemoteScorer(
+        f"http://127.0.0.1:{free_port()}", max_attempts=1000, backoff_s=0.05, max_backoff_s=0.1, deadline_s=0.5, seed=0
+    )
     start = time.monotonic()
     with pytest.raises(RemoteRewardError):
         remote.health()
@@ -180,8 +182,10 @@ def test_server_error_is_not_retried_and_is_named(images):
     assert remote.counters["attempts"] == 2  # health + one post
 
 
-@pytest.mark.parametrize("mode,why", [("garbage", "Expecting value"), ("wrong_length", "list of 5 numbers"),
-                                      ("bad_values", "neither numbers nor null")])
+@pytest.mark.parametrize(
+    "mode,why",
+    [("garbage", "Expecting value"), ("wrong_length", "list of 5 numbers"), ("bad_values", "neither numbers nor null")],
+)
 def test_garbage_raises_or_is_nan_and_counted(images, mode, why):
     with serving(StubServer(mode)) as url:
         with pytest.raises(RemoteRewardError, match=why):

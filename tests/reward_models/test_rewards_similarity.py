@@ -62,7 +62,8 @@ def test_dinov2_preprocessing_and_dtype(images):
     bf16 = build_scorer("image_similarity", backbone="dinov2", tiny=True, device="cpu", dtype="bfloat16")
     out = bf16(images, metadata={"reference_images": list(images.flip(0))})["image_similarity"]
     fp32 = build_scorer("image_similarity", backbone="dinov2", tiny=True, device="cpu")(
-        images, metadata={"reference_images": list(images.flip(0))})["image_similarity"]
+        images, metadata={"reference_images": list(images.flip(0))}
+    )["image_similarity"]
     assert out.dtype == torch.float32 and torch.allclose(out, fp32, atol=0.05)
 
 

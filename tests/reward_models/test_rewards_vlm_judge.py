@@ -113,8 +113,11 @@ class JudgeHandler(BaseHTTPRequestHandler):
                 self._send(503, b'{"error": "warming up"}')
             else:
                 text = srv.answer(body)
-                reply = {"object": "chat.completion", "model": body["model"],
-                         "choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]}
+                reply = {
+                    "object": "chat.completion",
+                    "model": body["model"],
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text}}],
+                }
                 self._send(200, json.dumps(reply).encode())
         finally:
             with srv.lock:
@@ -140,25 +143,36 @@ def free_port() -> int:
 # -- parsers ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("<think>...</think><answer>Image 1 is better</answer>", 1.0),
-    ("<answer> image 2 is better. </answer>", 0.0),
-    ("<ANSWER>\n  Image 1 is better.\n</ANSWER>", 1.0),
-    ("<answer>Image 2 is the better one? no: Image 1 is better</answer>", None),  # names both
-    ("<answer>Image 1 is better</answer> ... <answer>Image 2 is better</answer>", 0.0),  # the last block
-    ("Image 1 is better", None),  # no answer block
-    ("<answer>Both are equally good</answer>", None),
-    ("<answer>Image 1 is better and Image 2 is better</answer>", None),
-    ("", None), (None, None),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("<think>...</think><answer>Image 1 is better</answer>", 1.0),
+        ("<answer> image 2 is better. </answer>", 0.0),
+        ("<ANSWER>\n  Image 1 is better.\n</ANSWER>", 1.0),
+        ("<answer>Image 2 is the better one? no: Image 1 is better</answer>", None),  # names both
+        ("<answer>Image 1 is better</answer> ... <answer>Image 2 is better</answer>", 0.0),  # the last block
+        ("Image 1 is better", None),  # no answer block
+        ("<answer>Both are equally good</answer>", None),
+        ("<answer>Image 1 is better and Image 2 is better</answer>", None),
+        ("", None),
+        (None, None),
+    ],
+)
 def test_parse_preference(text, expected):
     assert parse_preference(text) == expected
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("Final Score: 7", 7.0), ("analysis...\nFinal Score: **8.5**", 8.5),
-    ("Final Score: 2\nwait, Final Score: 9", 9.0), ("final score 7", None), ("no score", None), (None, None),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("Final Score: 7", 7.0),
+        ("analysis...\nFinal Score: **8.5**", 8.5),
+        ("Final Score: 2\nwait, Final Score: 9", 9.0),
+        ("final score 7", None),
+        ("no score", None),
+        (None, None),
+    ],
+)
 def test_parse_score(text, expected):
     assert parse_score(text) == expected
 
@@ -183,8 +197,16 @@ def test_pointwise_scores_are_parsed_and_normalised():
 def test_request_content():
     server = JudgeStub(brightness_score)
     with serving(server) as url:
-        judge = build_scorer("vlm_judge", url=url + "/v1/chat/completions", model=MODEL, api_key="secret",
-                             max_side=8, max_tokens=77, request_params={"top_p": 1.0}, **FAST)
+        judge = build_scorer(
+            "vlm_judge",
+            url=url + "/v1/chat/completions",
+            model=MODEL,
+            api_key="secret",
+            max_side=8,
+            max_tokens=77,
+            request_params={"top_p": 1.0},
+            **FAST,
+        )
         judge(grey([0.5], size=32), ['a sign that says "hi"'])
     (body,) = server.bodies
     assert body["model"] == MODEL and body["temperature"] == 0.0 and body["max_tokens"] == 77
@@ -216,14 +238,21 @@ def test_unparseable_and_out_of_range_replies_are_nan_and_counted():
 
 def test_flow_grpo_style_one_to_five_over_five():
     with serving(JudgeStub(lambda body: "Final Score: 4")) as url:
-        judge = build_scorer("vlm_judge", url=url, template="Rate {prompt} from 1 to 5.", score_min=0,
-                             score_max=5, **FAST)
+        judge = build_scorer(
+            "vlm_judge", url=url, template="Rate {prompt} from 1 to 5.", score_min=0, score_max=5, **FAST
+        )
         out = judge(grey([0.5, 0.5]), ["x", "y"])["vlm_judge"]
     assert torch.allclose(out, torch.full((2,), 0.8))
 
 
-@pytest.mark.parametrize("mode,why", [("garbage", "Expecting value"), ("error", "HTTP 500: CUDA out of memory"),
-                                      ("no_choices", "not a chat completion")])
+@pytest.mark.parametrize(
+    "mode,why",
+    [
+        ("garbage", "Expecting value"),
+        ("error", "HTTP 500: CUDA out of memory"),
+        ("no_choices", "not a chat completion"),
+    ],
+)
 def test_bad_responses_are_nan_and_counted_or_raise(mode, why):
     with serving(JudgeStub(mode=mode)) as url:
         judge = build_scorer("vlm_judge", url=url, **FAST)
@@ -256,8 +285,16 @@ def test_flaky_server_is_retried():
 
 def test_slow_server_fails_within_bounded_time():
     with serving(JudgeStub(brightness_score, delay=5.0)) as url:
-        judge = build_scorer("vlm_judge", url=url, concurrency=2, timeout_s=0.2, max_attempts=2, backoff_s=0.02,
-                             max_backoff_s=0.05, seed=0)
+        judge = build_scorer(
+            "vlm_judge",
+            url=url,
+            concurrency=2,
+            timeout_s=0.2,
+            max_attempts=2,
+            backoff_s=0.02,
+            max_backoff_s=0.05,
+            seed=0,
+        )
         start = time.monotonic()
         with pytest.raises(RemoteRewardError) as info:
             judge(grey([0.5] * 6), ["p"] * 6)
@@ -281,8 +318,18 @@ def test_down_server_raises_a_clear_error_quickly():
 
 def test_down_server_without_health_check_stops_the_whole_batch():
     url = f"http://127.0.0.1:{free_port()}"
-    judge = build_scorer("vlm_judge", url=url, model=MODEL, health_check=False, concurrency=2,
-                         timeout_s=1.0, max_attempts=5, backoff_s=0.1, max_backoff_s=0.2, seed=0)
+    judge = build_scorer(
+        "vlm_judge",
+        url=url,
+        model=MODEL,
+        health_check=False,
+        concurrency=2,
+        timeout_s=1.0,
+        max_attempts=5,
+        backoff_s=0.1,
+        max_backoff_s=0.2,
+        seed=0,
+    )
     start = time.monotonic()
     with pytest.raises(RemoteRewardError, match="/v1/chat/completions"):
         judge(grey([0.5] * 12), ["p"] * 12)
@@ -402,10 +449,7 @@ def test_groups_win_rates_in_one_call_and_pil_groups():
 
 def test_win_rates_count_unjudged_pairs_as_ties_like_the_core_estimator():
     nan = float("nan")
-    pref = torch.tensor([[nan, 1.0, 0.5, nan],
-                         [0.0, nan, 1.0, 1.0],
-                         [0.5, 0.0, nan, 0.0],
-                         [nan, 0.0, 1.0, nan]])
+    pref = torch.tensor([[nan, 1.0, 0.5, nan], [0.0, nan, 1.0, 1.0], [0.5, 0.0, nan, 0.0], [nan, 0.0, 1.0, nan]])
     rates = win_rates(pref)
     assert torch.allclose(rates, torch.tensor([2.0 / 3, 2.0 / 3, 0.5 / 3, 1.5 / 3]))
     from flowgrpo.core import AdvantageConfig, GroupBatch, compute_advantages

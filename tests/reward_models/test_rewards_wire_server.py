@@ -18,15 +18,17 @@ from reward_models import build_scorer
 from reward_models.images import ImageBatch
 from reward_models.remote import RemoteScorer
 from reward_models.serving import make_server
-from reward_models.wire import (WireError, decode_request, decode_scores, encode_png, encode_request,
-                                encode_scores)
+from reward_models.wire import WireError, decode_request, decode_scores, encode_png, encode_request, encode_scores
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "reward_server.py"
 
 
 def test_request_round_trip_is_lossless(images):
-    meta = {"reference_images": [images[0], None, [images[1], images[2]], Image.new("RGB", (3, 2)), images[3:5]],
-            "tag": ["a", "b", "c", "d", "e"], "extra": [{"count": 2}, 1, 2.5, True, None]}
+    meta = {
+        "reference_images": [images[0], None, [images[1], images[2]], Image.new("RGB", (3, 2)), images[3:5]],
+        "tag": ["a", "b", "c", "d", "e"],
+        "extra": [{"count": 2}, 1, 2.5, True, None],
+    }
     payload = json.loads(json.dumps(encode_request(ImageBatch(images), ["p"] * 5, meta)))
     pil, prompts, decoded = decode_request(payload)
     assert torch.equal(ImageBatch(pil).tensor(), images) and prompts == ["p"] * 5
@@ -43,13 +45,16 @@ def test_scores_null_is_nan():
     assert key == "r" and scores["r"][0] == 1.5 and torch.isnan(scores["r"][1:]).all()
 
 
-@pytest.mark.parametrize("payload,why", [
-    ([], "JSON object"),
-    ({"scores": {}}, "non-empty"),
-    ({"key": "x", "scores": {"r": [1.0]}}, "not one of its scores"),
-    ({"key": "r", "scores": {"r": [1.0, 2.0]}}, "list of 1 numbers"),
-    ({"key": "r", "scores": {"r": [True]}}, "neither numbers nor null"),
-])
+@pytest.mark.parametrize(
+    "payload,why",
+    [
+        ([], "JSON object"),
+        ({"scores": {}}, "non-empty"),
+        ({"key": "x", "scores": {"r": [1.0]}}, "not one of its scores"),
+        ({"key": "r", "scores": {"r": [1.0, 2.0]}}, "list of 1 numbers"),
+        ({"key": "r", "scores": {"r": [True]}}, "neither numbers nor null"),
+    ],
+)
 def test_bad_responses_are_rejected(payload, why):
     with pytest.raises(WireError, match=why):
         decode_scores(payload, 1)
@@ -59,11 +64,13 @@ def test_bad_requests_are_rejected():
     jpeg = io.BytesIO()
     Image.new("RGB", (2, 2)).save(jpeg, format="JPEG")
     png = encode_png(Image.new("RGB", (2, 2)))
-    cases = [({"images": "x"}, "'images' list"),
-             ({"images": ["not base64!"]}, "undecodable"),
-             ({"images": [base64.b64encode(jpeg.getvalue()).decode()]}, "must be PNG"),
-             ({"images": [png], "prompts": ["a", "b"]}, "list of 1 strings"),
-             ({"images": [png], "metadata": {"m": [1, 2]}}, "list of 1 values")]
+    cases = [
+        ({"images": "x"}, "'images' list"),
+        ({"images": ["not base64!"]}, "undecodable"),
+        ({"images": [base64.b64encode(jpeg.getvalue()).decode()]}, "must be PNG"),
+        ({"images": [png], "prompts": ["a", "b"]}, "list of 1 strings"),
+        ({"images": [png], "metadata": {"m": [1, 2]}}, "list of 1 values"),
+    ]
     for payload, why in cases:
         with pytest.raises(WireError, match=why):
             decode_request(payload)
@@ -73,6 +80,7 @@ def test_server_http_errors():
     server = make_server(build_scorer("brightness"))
     server.serve_in_thread()
     try:
+
         def post(path, body):
             req = urllib.request.Request(server.url + path, data=body, method="POST")
             try:
@@ -83,7 +91,9 @@ def test_server_http_errors():
 
         assert post("/score", b"{not json")[0] == 400
         assert post("/nothing", b"{}")[0] == 404
-        status, body = post("/score", json.dumps({"images": [encode_png(Image.new("RGB", (2, 2), (255, 255, 255)))]}).encode())
+        status, body = post(
+            "/score", json.dumps({"images": [encode_png(Image.new("RGB", (2, 2), (255, 255, 255)))]}).encode()
+        )
         assert status == 200 and body == {"key": "brightness", "scores": {"brightness": [1.0]}}
         server.max_body_bytes = 10
         status, body = post("/score", b"{" + b" " * 20 + b"}")
@@ -102,8 +112,11 @@ def load_script():
 
 def test_script_settings_parsing():
     parse = load_script().parse_settings
-    assert parse('{"tiny": true}', ["dtype=bfloat16", "batch_size=8", "tiny=false"]) == \
-        {"tiny": False, "dtype": "bfloat16", "batch_size": 8}
+    assert parse('{"tiny": true}', ["dtype=bfloat16", "batch_size=8", "tiny=false"]) == {
+        "tiny": False,
+        "dtype": "bfloat16",
+        "batch_size": 8,
+    }
     with pytest.raises(SystemExit):
         parse(None, ["novalue"])
 

@@ -56,8 +56,11 @@ def build(kind: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
         if kind == "sd3_lora":
             from peft import LoraConfig
 
-            model.add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian",
-                                         target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+            model.add_adapter(
+                LoraConfig(
+                    r=4, lora_alpha=8, init_lora_weights="gaussian", target_modules=["to_q", "to_k", "to_v", "to_out.0"]
+                )
+            )
             with torch.no_grad():  # B = 0 at init would leave A without gradient in step 1
                 for name, p in model.named_parameters():
                     if "lora_B" in name:
@@ -66,10 +69,21 @@ def build(kind: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
         from peft import LoraConfig, get_peft_model
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
-        cfg = Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
-        model = get_peft_model(Qwen2ForCausalLM(cfg), LoraConfig(r=4, lora_alpha=8, target_modules=[
-            "q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights="gaussian"))
+        cfg = Qwen2Config(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=32,
+        )
+        model = get_peft_model(
+            Qwen2ForCausalLM(cfg),
+            LoraConfig(
+                r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights="gaussian"
+            ),
+        )
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "lora_B" in name:
@@ -84,31 +98,48 @@ def batch(kind: str, step: int, dtype: torch.dtype = torch.float32) -> dict[str,
     g = torch.Generator().manual_seed(100 + step)
     n = GLOBAL_BATCH
     if kind.startswith("sd3"):
-        return {"x": torch.randn(n, 4, 8, 8, generator=g), "t": torch.rand(n, generator=g) * 1000,
-                "text": torch.randn(n, 5, 16, generator=g), "pooled": torch.randn(n, 16, generator=g),
-                "target": torch.randn(n, 4, 8, 8, generator=g)}
+        return {
+            "x": torch.randn(n, 4, 8, 8, generator=g),
+            "t": torch.rand(n, generator=g) * 1000,
+            "text": torch.randn(n, 5, 16, generator=g),
+            "pooled": torch.randn(n, 16, generator=g),
+            "target": torch.randn(n, 4, 8, 8, generator=g),
+        }
     return {"ids": torch.randint(0, 64, (n, 12), generator=g)}
 
 
 def loss(kind: str, model: torch.nn.Module, b: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     if kind.startswith("sd3"):
-        out = model(hidden_states=b["x"].to(dtype), timestep=b["t"].to(dtype), encoder_hidden_states=b["text"].to(dtype),
-                    pooled_projections=b["pooled"].to(dtype), return_dict=False)[0]
+        out = model(
+            hidden_states=b["x"].to(dtype),
+            timestep=b["t"].to(dtype),
+            encoder_hidden_states=b["text"].to(dtype),
+            pooled_projections=b["pooled"].to(dtype),
+            return_dict=False,
+        )[0]
         return (out - b["target"].to(dtype)).pow(2).mean()
     return model(input_ids=b["ids"], labels=b["ids"]).loss
 
 
 def rows(b: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
     per = GLOBAL_BATCH // world
-    return {k: v[rank * per:(rank + 1) * per] for k, v in b.items()}
+    return {k: v[rank * per : (rank + 1) * per] for k, v in b.items()}
 
 
 def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def train(kind: str, model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, first: int = 0,
-          rank: int = 0, world: int = 1, dtype: torch.dtype = torch.float32) -> list[float]:
+def train(
+    kind: str,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    steps: int,
+    first: int = 0,
+    rank: int = 0,
+    world: int = 1,
+    dtype: torch.dtype = torch.float32,
+) -> list[float]:
     """Optimizer steps with the global gradient norm clipped to CLIP (active: the norms are larger);
     returns the norms before clipping."""
     from flowgrpo.scaling.sharding import clip_grad_norm
@@ -133,8 +164,13 @@ def reference_output(model: torch.nn.Module) -> torch.Tensor:
 
 
 def loss_free_output(model: torch.nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
-    return model(hidden_states=b["x"], timestep=b["t"], encoder_hidden_states=b["text"],
-                 pooled_projections=b["pooled"], return_dict=False)[0]
+    return model(
+        hidden_states=b["x"],
+        timestep=b["t"],
+        encoder_hidden_states=b["text"],
+        pooled_projections=b["pooled"],
+        return_dict=False,
+    )[0]
 
 
 def full_model_and_optim(model: torch.nn.Module, opt: torch.optim.Optimizer, trainable_only: bool) -> dict:
@@ -172,20 +208,27 @@ def main(out: Path) -> None:
         if kind == "sd3_lora":
             extra["reference"] = reference_output(model)
         if rank == 0:
-            save_file({**{k: v.contiguous() for k, v in weights.items()}, **{f"_{k}": v for k, v in extra.items()}},
-                      str(out / f"sgd_{kind}.safetensors"))
+            save_file(
+                {**{k: v.contiguous() for k, v in weights.items()}, **{f"_{k}": v for k, v in extra.items()}},
+                str(out / f"sgd_{kind}.safetensors"),
+            )
     # fsdp2.yaml's precision: blocks compute in bf16, master weights and the gradient mean stay fp32.
     model = build("sd3_full")
     shard_model(model, ShardingConfig(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     seen: dict[str, torch.dtype] = {}
     model.transformer_blocks[0].attn.to_q.register_forward_pre_hook(
-        lambda mod, args: seen.setdefault("compute", mod.weight.dtype) and None)
+        lambda mod, args: seen.setdefault("compute", mod.weight.dtype) and None
+    )
     norms = train("sd3_full", model, torch.optim.SGD(trainable(model), lr=SGD_LR), SGD_STEPS, rank=rank, world=world)
     if rank == 0:
-        save_file({"norms": torch.tensor(norms, dtype=torch.float64),
-                   "compute_is_bf16": torch.tensor(seen["compute"] == torch.bfloat16),
-                   "master_is_fp32": torch.tensor(model.transformer_blocks[0].attn.to_q.weight.dtype == torch.float32)},
-                  str(out / "bf16_sd3_full.safetensors"))
+        save_file(
+            {
+                "norms": torch.tensor(norms, dtype=torch.float64),
+                "compute_is_bf16": torch.tensor(seen["compute"] == torch.bfloat16),
+                "master_is_fp32": torch.tensor(model.transformer_blocks[0].attn.to_q.weight.dtype == torch.float32),
+            },
+            str(out / "bf16_sd3_full.safetensors"),
+        )
     for kind in CKPT_KINDS:
         lora = kind.endswith("lora")
         model = build(kind)

@@ -14,8 +14,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs" / "accelerate").glob("*.yaml"))
 NAMES = [p.name for p in CONFIGS]
-FSDP2_BLOCKS = ["JointTransformerBlock", "FluxTransformerBlock", "FluxSingleTransformerBlock",
-                "QwenImageTransformerBlock", "Qwen2DecoderLayer"]
+FSDP2_BLOCKS = [
+    "JointTransformerBlock",
+    "FluxTransformerBlock",
+    "FluxSingleTransformerBlock",
+    "QwenImageTransformerBlock",
+    "Qwen2DecoderLayer",
+]
 
 
 def _launch_env(path: Path) -> tuple[object, dict[str, str]]:
@@ -35,7 +40,8 @@ def _launch_env(path: Path) -> tuple[object, dict[str, str]]:
     unknown = [k for k in nested if k not in known]
     assert not unknown, f"{path.name}: keys the installed accelerate does not know: {unknown}"
     args, defaults, mp_from_config = _validate_launch_command(
-        parser.parse_args(["--config_file", str(path), "train.py"]))
+        parser.parse_args(["--config_file", str(path), "train.py"])
+    )
     if args.use_deepspeed:  # as accelerate's launch_command does before the DeepSpeed launcher
         fields = list(defaults.deepspeed_config) + (["mixed_precision"] if mp_from_config else [])
         args.deepspeed_fields_from_accelerate_config = ",".join(fields)
@@ -87,8 +93,11 @@ def test_block_class_names_are_the_models_own():
 
     import flowgrpo  # noqa: F401  (torchvision hook)
 
-    declared = {n for c in (SD3Transformer2DModel, FluxTransformer2DModel, QwenImageTransformer2DModel,
-                            Qwen2ForCausalLM) for n in c._no_split_modules}
+    declared = {
+        n
+        for c in (SD3Transformer2DModel, FluxTransformer2DModel, QwenImageTransformer2DModel, Qwen2ForCausalLM)
+        for n in c._no_split_modules
+    }
     assert declared == set(FSDP2_BLOCKS)
 
 

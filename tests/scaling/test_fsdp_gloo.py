@@ -84,8 +84,11 @@ def _check_two_to_one(out, kind: str) -> None:
     model = fr.build(kind)
     opt = torch.optim.AdamW(fr.trainable(model), lr=1e-3)
     load_sharded(out / f"from_two_{kind}", model, opt, trainable_only=lora)
-    _assert_equal(fr.full_model_and_optim(model, opt, lora),
-                  load_file(str(out / f"saved_on_two_{kind}.safetensors")), f"{kind}: 2 ranks -> 1")
+    _assert_equal(
+        fr.full_model_and_optim(model, opt, lora),
+        load_file(str(out / f"saved_on_two_{kind}.safetensors")),
+        f"{kind}: 2 ranks -> 1",
+    )
     assert opt.param_groups[0]["betas"] == (0.9, 0.999)  # param groups come back from JSON as they were
     assert not list(out.glob(f"from_two_{kind}/*.metadata")), "no pickled DCP metadata"
 
@@ -111,8 +114,9 @@ def test_fsdp2_on_two_ranks_matches_one_process(launch_ranks, tmp_path):
         for kind in fr.SGD_KINDS:
             _check_training(tmp_path, kind)
         for kind in fr.CKPT_KINDS:
-            _assert_equal(load_file(str(tmp_path / f"loaded_on_two_{kind}.safetensors")), expected[kind],
-                          f"{kind}: 1 -> 2 ranks")
+            _assert_equal(
+                load_file(str(tmp_path / f"loaded_on_two_{kind}.safetensors")), expected[kind], f"{kind}: 1 -> 2 ranks"
+            )
             _check_two_to_one(tmp_path, kind)
     _check_bf16(tmp_path)
     model = fr.build("sd3_full")  # a LoRA-only checkpoint lacks the full model's weights
@@ -157,5 +161,8 @@ def test_atomic_save_replaces_a_stale_temporary_folder_and_the_target(tmp_path):
     fresh = fr.build("qwen2_lora")
     fresh_opt = torch.optim.AdamW(fr.trainable(fresh), lr=1e-3)
     load_sharded(target, fresh, fresh_opt, trainable_only=True)
-    _assert_equal(fr.full_model_and_optim(fresh, fresh_opt, True), fr.full_model_and_optim(model, opt, True),
-                  "atomic save, reloaded")
+    _assert_equal(
+        fr.full_model_and_optim(fresh, fresh_opt, True),
+        fr.full_model_and_optim(model, opt, True),
+        "atomic save, reloaded",
+    )

@@ -33,13 +33,28 @@ def test_parameter_counts_are_the_published_sizes(facts):
     sd35 = facts["SD3.5-Medium"]
     assert sd35.buffers == 384 * 384 * 1536
     assert round((sd35.params + sd35.buffers) / 1e9, 2) == 2.47
-    assert (facts["FLUX.1-dev"].blocks, facts["SD3.5-Medium"].blocks, facts["Qwen-Image"].blocks,
-            facts["Qwen2.5-7B"].blocks) == (19 + 38, 24, 60, 28)
+    assert (
+        facts["FLUX.1-dev"].blocks,
+        facts["SD3.5-Medium"].blocks,
+        facts["Qwen-Image"].blocks,
+        facts["Qwen2.5-7B"].blocks,
+    ) == (19 + 38, 24, 60, 28)
 
 
 def test_a_wrong_config_is_caught():
-    bad = mem.ModelFacts("FLUX.1-dev", params=8_000_000_000, buffers=0, lora_params=0, blocks=1, largest_block=1,
-                         root_params=0, hidden=1, tokens=1, micro_batch=1, vocab=0)
+    bad = mem.ModelFacts(
+        "FLUX.1-dev",
+        params=8_000_000_000,
+        buffers=0,
+        lora_params=0,
+        blocks=1,
+        largest_block=1,
+        root_params=0,
+        hidden=1,
+        tokens=1,
+        micro_batch=1,
+        vocab=0,
+    )
     with pytest.raises(AssertionError, match="FLUX.1-dev"):
         mem.check_counts([bad])
 
@@ -52,16 +67,35 @@ def test_lora_count_equals_peft_s(kind):
     if kind == "sd3":
         from diffusers import SD3Transformer2DModel
 
-        model = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, out_channels=4, num_layers=2,
-                                      attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
-                                      caption_projection_dim=16, pooled_projection_dim=16, pos_embed_max_size=8,
-                                      dual_attention_layers=(0,), qk_norm="rms_norm")
+        model = SD3Transformer2DModel(
+            sample_size=8,
+            patch_size=2,
+            in_channels=4,
+            out_channels=4,
+            num_layers=2,
+            attention_head_dim=8,
+            num_attention_heads=2,
+            joint_attention_dim=16,
+            caption_projection_dim=16,
+            pooled_projection_dim=16,
+            pos_embed_max_size=8,
+            dual_attention_layers=(0,),
+            qk_norm="rms_norm",
+        )
         targets = mem.IMAGE_LORA_TARGETS
     else:
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
-        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                             num_attention_heads=2, num_key_value_heads=1))
+        model = Qwen2ForCausalLM(
+            Qwen2Config(
+                vocab_size=64,
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+            )
+        )
         targets = mem.TEXT_LORA_TARGETS
     analytic = mem.lora_parameter_count(model, 4, targets)
     peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=list(targets)))
@@ -125,7 +159,10 @@ def test_workloads_are_the_shipped_recipes():
     text = yaml.safe_load((ROOT / "configs/text/real/qwen2.5-1.5b_math_vllm.yaml").read_text())
     assert specs["Qwen2.5-7B"].micro_batch == text["train"]["micro_batch_size"]
     assert specs["Qwen2.5-7B"].tokens == 256 + text["generation"]["max_new_tokens"]
-    assert (specs["Qwen2.5-7B"].lora_rank, mem.TEXT_LORA_TARGETS) == (LoraConfig().r, tuple(LoraConfig().target_modules))
+    assert (specs["Qwen2.5-7B"].lora_rank, mem.TEXT_LORA_TARGETS) == (
+        LoraConfig().r,
+        tuple(LoraConfig().target_modules),
+    )
 
 
 def test_docs_table_is_current_and_markers_are_required(tmp_path):

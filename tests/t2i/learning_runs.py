@@ -12,9 +12,17 @@ WATCH = "rewards/brightness/mean"  # every tiny recipe logs brightness (weight 0
 
 
 def run(recipe: str, out: Path, *overrides: str) -> list[dict]:
-    cfg = load_t2i_config(RECIPES_DIR / f"{recipe}.yaml",
-                          [f"output_dir={out}", "progress=false", "artifacts.tensorboard=false",
-                           "artifacts.plot=false", "artifacts.save_lora=false", *overrides])
+    cfg = load_t2i_config(
+        RECIPES_DIR / f"{recipe}.yaml",
+        [
+            f"output_dir={out}",
+            "progress=false",
+            "artifacts.tensorboard=false",
+            "artifacts.plot=false",
+            "artifacts.save_lora=false",
+            *overrides,
+        ],
+    )
     return train_t2i(cfg)
 
 
@@ -25,5 +33,11 @@ def learning_margin(recipe: str, tmp: Path, iterations: int = 16, last: int = 5,
     still = [r[WATCH] for r in run(recipe, tmp / "still", f"iterations={iterations}", *extra, "optim.lr=0")]
     gain = statistics.fmean(learn[-last:]) - statistics.fmean(still[-last:])
     noise = statistics.pstdev(still) / last**0.5
-    return {"gain": gain, "noise": noise, "first_learn": learn[0], "first_still": still[0],
-            "last_learn": statistics.fmean(learn[-last:]), "last_still": statistics.fmean(still[-last:])}
+    return {
+        "gain": gain,
+        "noise": noise,
+        "first_learn": learn[0],
+        "first_still": still[0],
+        "last_learn": statistics.fmean(learn[-last:]),
+        "last_still": statistics.fmean(still[-last:]),
+    }

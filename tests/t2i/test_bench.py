@@ -26,9 +26,25 @@ def run(bench, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
     backward = torch.Tensor.backward
     threads = torch.get_num_threads()
-    bench.main(["--recipes", "flow_grpo,branchgrpo", "--iterations", "1", "--warmup", "0",
-                "--published", "dance_grpo,branchgrpo", "--in-process", "--out-dir", str(tmp / "runs"),
-                "--json", str(tmp / "bench.json"), "--markdown", str(tmp / "benchmarks.md")])
+    bench.main(
+        [
+            "--recipes",
+            "flow_grpo,branchgrpo",
+            "--iterations",
+            "1",
+            "--warmup",
+            "0",
+            "--published",
+            "dance_grpo,branchgrpo",
+            "--in-process",
+            "--out-dir",
+            str(tmp / "runs"),
+            "--json",
+            str(tmp / "bench.json"),
+            "--markdown",
+            str(tmp / "benchmarks.md"),
+        ]
+    )
     assert torch.Tensor.backward is backward, "the backward timing wrapper must be removed after the run"
     assert torch.get_num_threads() == threads
     return json.loads((tmp / "bench.json").read_text()), tmp
@@ -36,8 +52,18 @@ def run(bench, tmp_path_factory):
 
 def test_json_structure(run):
     result, _ = run
-    for key in ("date", "command", "settings", "machine", "versions", "git", "load_before", "load_after",
-                "recipes", "published"):
+    for key in (
+        "date",
+        "command",
+        "settings",
+        "machine",
+        "versions",
+        "git",
+        "load_before",
+        "load_after",
+        "recipes",
+        "published",
+    ):
         assert key in result, key
     assert result["machine"]["cpu"] and result["versions"]["torch"]
     assert result["command"].startswith("python scripts/bench.py --recipes flow_grpo,branchgrpo")

@@ -14,26 +14,29 @@ def _load(*overrides, recipe="flow_grpo"):
     return load_t2i_config(RECIPES_DIR / f"{recipe}.yaml", list(overrides))
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["optim.lrr=1"], "unknown key 'lrr'"),
-    (["sampler.num_step=3"], "did you mean 'num_steps'"),
-    (["group_size=many"], "group_size"),
-    (["plan.name=treee"], "unknown rollout plan 'treee'"),
-    (["plan={name: tree}"], "needs the node-level estimator 'tree_depth'"),
-    (["advantage.estimator.name=turning_point"], "needs per-step rewards from the 'probes' plan"),
-    (["loss.ratio=sequence"], "image actions are single transitions"),
-    (["edges.width_pruning=0.5"], "pruning are BranchGRPO options"),
-    (["method=nft", "sampler.cfg_mode=full"], "CFG-free"),
-    (["model.finetune=full", "model.dtype=bfloat16"], "float32 master weights"),
-    (["model.tiny=false"], "exactly one of `pretrained"),
-    (["prompts_per_iteration=3", "rollout_prompts=2"], "multiple of rollout_prompts"),
-    (["rewards=[{name: brightness}, {name: brightness}]"], "duplicate names"),
-    (["adversarial.enabled=true", "adversarial.reference_generator=bright"], "is not among rewards"),
-    (["sampler.share_noise=true", "sampler.share_noise_size=3"], "must divide group_size 8"),
-    (["sampler.share_noise_size=4"], "needs share_noise: true"),
-    (["ema.updates_per_step=2"], "set schedule: flow_grpo"),
-    (["ema={schedule: flow_grpo, count_idle_iterations: true}"], "needs adversarial.enabled"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["optim.lrr=1"], "unknown key 'lrr'"),
+        (["sampler.num_step=3"], "did you mean 'num_steps'"),
+        (["group_size=many"], "group_size"),
+        (["plan.name=treee"], "unknown rollout plan 'treee'"),
+        (["plan={name: tree}"], "needs the node-level estimator 'tree_depth'"),
+        (["advantage.estimator.name=turning_point"], "needs per-step rewards from the 'probes' plan"),
+        (["loss.ratio=sequence"], "image actions are single transitions"),
+        (["edges.width_pruning=0.5"], "pruning are BranchGRPO options"),
+        (["method=nft", "sampler.cfg_mode=full"], "CFG-free"),
+        (["model.finetune=full", "model.dtype=bfloat16"], "float32 master weights"),
+        (["model.tiny=false"], "exactly one of `pretrained"),
+        (["prompts_per_iteration=3", "rollout_prompts=2"], "multiple of rollout_prompts"),
+        (["rewards=[{name: brightness}, {name: brightness}]"], "duplicate names"),
+        (["adversarial.enabled=true", "adversarial.reference_generator=bright"], "is not among rewards"),
+        (["sampler.share_noise=true", "sampler.share_noise_size=3"], "must divide group_size 8"),
+        (["sampler.share_noise_size=4"], "needs share_noise: true"),
+        (["ema.updates_per_step=2"], "set schedule: flow_grpo"),
+        (["ema={schedule: flow_grpo, count_idle_iterations: true}"], "needs adversarial.enabled"),
+    ],
+)
 def test_bad_config_names_the_problem(overrides, message):
     with pytest.raises(ConfigError, match=message):
         _load(*overrides)
@@ -46,8 +49,10 @@ def test_missing_weights_are_named_before_loading(tmp_path):
 
 
 def test_unknown_scorer_and_setting_are_config_errors(tmp_path):
-    for rewards, message in [("[{name: brightnes}]", "did you mean 'brightness'"),
-                             ("[{name: brightness, gain: 2}]", "no setting 'gain'")]:
+    for rewards, message in [
+        ("[{name: brightnes}]", "did you mean 'brightness'"),
+        ("[{name: brightness, gain: 2}]", "no setting 'gain'"),
+    ]:
         with pytest.raises(ConfigError, match=message):
             T2ITrainer(_load(f"rewards={rewards}", f"output_dir={tmp_path / 'o'}"))
 

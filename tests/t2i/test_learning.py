@@ -12,8 +12,22 @@ import pytest
 
 from .learning_runs import learning_margin
 
-RECIPES = ["flow_grpo", "flow_grpo_fast", "dance_grpo", "mixgrpo", "mixgrpo_flash", "branchgrpo", "branchgrpo_mix",
-           "tempflow_grpo", "tp_grpo", "grpo_guard", "pref_grpo", "diffusion_nft", "vgpo", "adv_grpo"]
+RECIPES = [
+    "flow_grpo",
+    "flow_grpo_fast",
+    "dance_grpo",
+    "mixgrpo",
+    "mixgrpo_flash",
+    "branchgrpo",
+    "branchgrpo_mix",
+    "tempflow_grpo",
+    "tp_grpo",
+    "grpo_guard",
+    "pref_grpo",
+    "diffusion_nft",
+    "vgpo",
+    "adv_grpo",
+]
 MARGIN = 5.0  # the gain must exceed this many standard errors of the lr = 0 run
 
 
@@ -27,9 +41,13 @@ def test_recipe_learns(recipe, tmp_path):
 # The mechanisms the published FLUX runs need (issue 12), together on the tiny DanceGRPO recipe: the
 # sd3_time_shift grid with integer-timestep conditioning, images decoded from the last x0 prediction,
 # and each sample training its own random 60 % of the steps but the last.
-PUBLISHED_FLUX = ("sampler.schedule={name: time_shift, shift: 3.0, integer_timesteps: true}", "sampler.decode=last_x0",
-                  "plan={name: full_sde, train_fraction: 1.0}", "edges.per_sample_fraction=0.6",
-                  "edges.exclude_last=true")
+PUBLISHED_FLUX = (
+    "sampler.schedule={name: time_shift, shift: 3.0, integer_timesteps: true}",
+    "sampler.decode=last_x0",
+    "plan={name: full_sde, train_fraction: 1.0}",
+    "edges.per_sample_fraction=0.6",
+    "edges.exclude_last=true",
+)
 
 
 def test_published_flux_mechanisms_learn(tmp_path):

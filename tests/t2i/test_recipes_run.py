@@ -10,9 +10,23 @@ from flowgrpo.t2i import train_t2i
 from .learning_runs import RECIPES_DIR
 
 RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml") if not p.stem.startswith("_"))
-KEYS = ["iteration", "reward_mean", "reward_std", "adv/mean", "adv/std", "ratio_mean", "nfe_nograd",
-        "nfe_grad", "backward_passes", "reward_calls", "time_rollout_s", "time_reward_s", "time_train_s",
-        "peak_memory_mb", "images"]
+KEYS = [
+    "iteration",
+    "reward_mean",
+    "reward_std",
+    "adv/mean",
+    "adv/std",
+    "ratio_mean",
+    "nfe_nograd",
+    "nfe_grad",
+    "backward_passes",
+    "reward_calls",
+    "time_rollout_s",
+    "time_reward_s",
+    "time_train_s",
+    "peak_memory_mb",
+    "images",
+]
 GRPO_KEYS = ["approx_kl", "clip/frac", "clip/low_frac", "clip/high_frac", "check/first_pass_ratio_dev", "edges/trained"]
 
 
@@ -40,6 +54,12 @@ def test_recipe_runs(recipe_config, recipe):
         assert r["backward_passes"] > 0 and r["nfe_grad"] > 0
         if grpo:
             assert r["check/first_pass_ratio_dev"] < 1e-4  # the rollout re-scored by its own weights: ratio 1
-    for name in ("config.yaml", "grids/eval_before.png", "grids/eval_after.png", "grids/rollout_000001.png",
-                 "lora/pytorch_lora_weights.safetensors", "checkpoints/step_00000002/state.json"):
+    for name in (
+        "config.yaml",
+        "grids/eval_before.png",
+        "grids/eval_after.png",
+        "grids/rollout_000001.png",
+        "lora/pytorch_lora_weights.safetensors",
+        "checkpoints/step_00000002/state.json",
+    ):
         assert (out / name).is_file(), name

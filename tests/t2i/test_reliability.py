@@ -45,9 +45,14 @@ def test_nan_rewards_are_excluded_and_counted(recipe_config):
 def test_reward_server_down_stops_the_run_and_keeps_the_checkpoint(recipe_config):
     server = make_server(build_scorer("brightness"))
     server.serve_in_thread()
-    cfg = recipe_config("flow_grpo", "iterations=6", "checkpoint.every=1", "num_threads=1",
-                        f"rewards=[{{name: remote, url: '{server.url}', max_attempts: 2, backoff_s: 0.05, "
-                        f"max_backoff_s: 0.1, timeout_s: 2.0}}]")
+    cfg = recipe_config(
+        "flow_grpo",
+        "iterations=6",
+        "checkpoint.every=1",
+        "num_threads=1",
+        f"rewards=[{{name: remote, url: '{server.url}', max_attempts: 2, backoff_s: 0.05, "
+        f"max_backoff_s: 0.1, timeout_s: 2.0}}]",
+    )
     trainer = T2ITrainer(cfg)
     ckpt_dir = Path(cfg.output_dir) / "checkpoints"
 

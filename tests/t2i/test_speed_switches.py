@@ -8,8 +8,13 @@ import pytest
 
 from flowgrpo.t2i.trainer import T2ITrainer
 
-NEUTRAL = ["sampler.inference_mode=true", "model.speed.gradient_checkpointing=true", "model.speed.cfg_forward=split",
-           "model.speed.decode_batch_size=3", "model.speed.compile={enabled: true, backend: eager}"]
+NEUTRAL = [
+    "sampler.inference_mode=true",
+    "model.speed.gradient_checkpointing=true",
+    "model.speed.cfg_forward=split",
+    "model.speed.decode_batch_size=3",
+    "model.speed.compile={enabled: true, backend: eager}",
+]
 KEYS = ("reward_mean", "grad_norm", "check/first_pass_ratio_dev")
 
 
@@ -35,6 +40,5 @@ def test_neutral_switches_leave_the_iteration_unchanged(recipe_config):
 
 
 def test_autocast_bf16_keeps_the_on_policy_ratio(recipe_config):
-    _, rec = _first_record(recipe_config, "model.speed.autocast=bfloat16", "sampler.inference_mode=true",
-                           name="bf16")
+    _, rec = _first_record(recipe_config, "model.speed.autocast=bfloat16", "sampler.inference_mode=true", name="bf16")
     assert math.isfinite(rec["loss/policy"]) and rec["check/first_pass_ratio_dev"] <= 1e-4

@@ -19,23 +19,49 @@ from flowgrpo.checkpoint import latest_checkpoint
 from flowgrpo.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
-ARGS = ["prompts_per_iteration=4", "rollout_prompts=1", "num_threads=1", "progress=false",
-        "artifacts.tensorboard=false", "artifacts.plot=false", "artifacts.save_lora=false", "loss.kl.coef=0.01",
-        "train.mini_batches=2", "advantage.estimator.std_scope=batch"]
+ARGS = [
+    "prompts_per_iteration=4",
+    "rollout_prompts=1",
+    "num_threads=1",
+    "progress=false",
+    "artifacts.tensorboard=false",
+    "artifacts.plot=false",
+    "artifacts.save_lora=false",
+    "loss.kl.coef=0.01",
+    "train.mini_batches=2",
+    "advantage.estimator.std_scope=batch",
+]
 MICRO = 7  # micro-batches straddle rollout batches in one process, never across ranks in two
 # world-size invariant quantities (backward_passes is not: each rank splits its own edges into micro-batches)
-ROLLOUT_KEYS = ("reward_mean", "reward_std", "adv/mean", "adv/std", "adv/abs_max", "edges/trained",
-                "plan/trained_steps", "images", "nfe_nograd", "nfe_grad", "reward_calls")
+ROLLOUT_KEYS = (
+    "reward_mean",
+    "reward_std",
+    "adv/mean",
+    "adv/std",
+    "adv/abs_max",
+    "edges/trained",
+    "plan/trained_steps",
+    "images",
+    "nfe_nograd",
+    "nfe_grad",
+    "reward_calls",
+)
 
 
 # the published FLUX runs' per-sample trained steps and decoded x0 must agree across ranks too
-PUBLISHED_FLUX = ["sampler.schedule={name: time_shift, shift: 3.0, integer_timesteps: true}", "sampler.decode=last_x0",
-                  "plan={name: full_sde, train_fraction: 1.0}", "edges.per_sample_fraction=0.6", "edges.exclude_last=true"]
+PUBLISHED_FLUX = [
+    "sampler.schedule={name: time_shift, shift: 3.0, integer_timesteps: true}",
+    "sampler.decode=last_x0",
+    "plan={name: full_sde, train_fraction: 1.0}",
+    "edges.per_sample_fraction=0.6",
+    "edges.exclude_last=true",
+]
 
 
 def _run(launch_ranks, out: Path, world: int, *extra: str, recipe: str = "flow_grpo") -> Path:
-    launch_ranks("train_t2i.py", [str(ROOT / f"configs/t2i/tiny/{recipe}.yaml"), f"output_dir={out}", *ARGS,
-                                  *extra], world)
+    launch_ranks(
+        "train_t2i.py", [str(ROOT / f"configs/t2i/tiny/{recipe}.yaml"), f"output_dir={out}", *ARGS, *extra], world
+    )
     return out
 
 
@@ -50,8 +76,11 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-@pytest.mark.parametrize("recipe, extra", [("flow_grpo", ()), ("dance_grpo", tuple(PUBLISHED_FLUX))],
-                         ids=["flow_grpo", "dance_grpo_published"])
+@pytest.mark.parametrize(
+    "recipe, extra",
+    [("flow_grpo", ()), ("dance_grpo", tuple(PUBLISHED_FLUX))],
+    ids=["flow_grpo", "dance_grpo_published"],
+)
 def test_rollouts_and_advantages_match_to_the_last_bit(tmp_path, launch_ranks, recipe, extra):
     frozen = ["iterations=2", "optim.lr=0", f"train.micro_batch_size={MICRO}", *extra]
     one = read_metrics(_run(launch_ranks, tmp_path / "one", 1, *frozen, recipe=recipe) / "metrics.jsonl")
@@ -64,13 +93,15 @@ def test_rollouts_and_advantages_match_to_the_last_bit(tmp_path, launch_ranks, r
 
 
 def _ulp32(value: float) -> float:
-    return abs(value) * 2.0 ** -23
+    return abs(value) * 2.0**-23
 
 
 def test_update_matches_one_process_to_reduction_order(tmp_path, launch_ranks):
     step = ["iterations=1", "optim.lr=0.03"]
-    runs = {"one": _run(launch_ranks, tmp_path / "one", 1, *step, f"train.micro_batch_size={MICRO}"),
-            "two": _run(launch_ranks, tmp_path / "two", 2, *step, f"train.micro_batch_size={MICRO}")}
+    runs = {
+        "one": _run(launch_ranks, tmp_path / "one", 1, *step, f"train.micro_batch_size={MICRO}"),
+        "two": _run(launch_ranks, tmp_path / "two", 2, *step, f"train.micro_batch_size={MICRO}"),
+    }
     # the same sums in other orders (one process, other micro-batches): how far float32 rounding alone moves them
     refs = [_run(launch_ranks, tmp_path / f"mb{m}", 1, *step, f"train.micro_batch_size={m}") for m in (1, 3)]
     one, two = _policy(runs["one"]), _policy(runs["two"])

@@ -29,9 +29,16 @@ def _trained(steps=3):
 
 
 def _save(root, step, m, opt, sched, **kw):
-    return ck.save_checkpoint(root, step, tensors={"model": dict(m.named_parameters())}, optimizers={"policy": opt},
-                              schedulers={"lr": sched}, state={"data": {"epoch": 1, "position": 7}},
-                              config={"lr": 1e-2, "name": "x"}, **kw)
+    return ck.save_checkpoint(
+        root,
+        step,
+        tensors={"model": dict(m.named_parameters())},
+        optimizers={"policy": opt},
+        schedulers={"lr": sched},
+        state={"data": {"epoch": 1, "position": 7}},
+        config={"lr": 1e-2, "name": "x"},
+        **kw,
+    )
 
 
 def test_round_trip_is_exact(tmp_path):

@@ -33,8 +33,17 @@ def control(tmp_path_factory):
 
     torch.set_num_threads(1)
     out = tmp_path_factory.mktemp("control")
-    cfg = load_text_config(TINY, ["num_threads=1", f"output_dir={out}", "progress=false", "optim.lr=0", "loss.preset=dapo",
-                                  "checkpoint.every=0"])
+    cfg = load_text_config(
+        TINY,
+        [
+            "num_threads=1",
+            f"output_dir={out}",
+            "progress=false",
+            "optim.lr=0",
+            "loss.preset=dapo",
+            "checkpoint.every=0",
+        ],
+    )
     return train_text(cfg)
 
 
@@ -59,8 +68,16 @@ def test_first_pass_ratio_is_one(tiny_config):
     for extra in ([], ["model.lora.enabled=true", "loss.kl.coef=0.01"]):
         with warnings.catch_warnings():
             warnings.simplefilter("error", OnPolicyRatioWarning)
-            history = train_text(tiny_config("steps=3", "checkpoint.every=0", "train.micro_batch_size=5",
-                                             "train.logprob_batch_size=7", *extra, name="ratio" + str(len(extra))))
+            history = train_text(
+                tiny_config(
+                    "steps=3",
+                    "checkpoint.every=0",
+                    "train.micro_batch_size=5",
+                    "train.logprob_batch_size=7",
+                    *extra,
+                    name="ratio" + str(len(extra)),
+                )
+            )
         devs = [r["check/first_pass_ratio_dev"] for r in history]
         assert len(devs) == 3 and max(devs) <= 1e-5, devs
 

