@@ -85,6 +85,7 @@ FLUX = {
     "model.pretrained": "black-forest-labs/FLUX.1-dev",
     "model.finetune": "full",
     "model.dtype": "float32",
+    "model.speed.autocast": "bfloat16",
     "sampler.height": 720,
     "sampler.width": 720,
     "sampler.guidance_scale": 3.5,
