@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from reward_models import build_scorer
-from reward_models.geneval import (
+from reward_models.geneval import make_detector_server
+from reward_models.geneval_rules import (
     COLORS,
     Detection,
     evaluate,
     keep_detections,
-    make_detector_server,
     relative_position,
     summarize,
 )

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from reward_models import build_scorer, get_entry
 from reward_models import imagereward as ir
+from reward_models import imagereward_model as irm
 from reward_models.images import ImageBatch
 
 from rewards_helpers import PROMPTS, quantised_images
@@ -19,7 +20,7 @@ def tiny_ir():
     return ir.ImageReward.tiny()
 
 
-# --- the official layout, written out independently of reward_models.imagereward ---------------
+# --- the official layout, written out independently of reward_models.imagereward_model -----------
 
 
 def to_official(state):
@@ -145,7 +146,7 @@ def write_official(folder, scorer, *, med=True):
             '"encoder_width": 768, "add_cross_attention": true, "layer_norm_eps": 1e-12}'
             % (text.hidden_size, text.num_attention_heads, text.vocab_size)
         )
-    ir.tiny_bert_tokenizer(blip=False).save_pretrained(folder / "bert")  # stands in for bert-base-uncased
+    irm.tiny_bert_tokenizer(blip=False).save_pretrained(folder / "bert")  # stands in for bert-base-uncased
     return folder
 
 
@@ -158,12 +159,12 @@ def test_constants_are_the_published_values():
     assert ir.IMAGEREWARD_MAX_LENGTH == 35 and ir.IMAGEREWARD_IMAGE_SIZE == 224
     assert ir.OPENAI_CLIP_MEAN == (0.48145466, 0.4578275, 0.40821073)
     assert ir.OPENAI_CLIP_STD == (0.26862954, 0.26130258, 0.27577711)
-    assert (ir.IMAGEREWARD_REPO, ir.IMAGEREWARD_FILE, ir.BERT_TOKENIZER) == (
+    assert (irm.IMAGEREWARD_REPO, irm.IMAGEREWARD_FILE, irm.BERT_TOKENIZER) == (
         "THUDM/ImageReward",
         "ImageReward.pt",
         "bert-base-uncased",
     )
-    vit = ir.VISION_CONFIG  # BLIP create_vit('large', 224)
+    vit = irm.VISION_CONFIG  # BLIP create_vit('large', 224)
     assert (
         vit["hidden_size"],
         vit["num_hidden_layers"],
@@ -173,7 +174,7 @@ def test_constants_are_the_published_values():
         vit["layer_norm_eps"],
         vit["hidden_act"],
     ) == (1024, 24, 16, 16, 224, 1e-6, "gelu")
-    med = ir.TEXT_CONFIG  # med_config.json: BERT-base + 2 BLIP tokens, cross-attention to the ViT
+    med = irm.TEXT_CONFIG  # med_config.json: BERT-base + 2 BLIP tokens, cross-attention to the ViT
     assert (
         med["vocab_size"],
         med["hidden_size"],
@@ -182,7 +183,7 @@ def test_constants_are_the_published_values():
         med["encoder_hidden_size"],
         med["layer_norm_eps"],
     ) == (30524, 768, 12, 12, 1024, 1e-12)
-    head = ir.AestheticHead(input_dim=768)
+    head = irm.AestheticHead(input_dim=768)
     linears = [m for m in head.layers if isinstance(m, torch.nn.Linear)]
     sizes = [(m.in_features, m.out_features) for m in linears]
     assert sizes == [(768, 1024), (1024, 128), (128, 64), (64, 16), (16, 1)]
@@ -280,11 +281,11 @@ def test_loads_the_official_checkpoint_layout(tiny_ir, images, tmp_path):
         assert torch.allclose(scorer(images, PROMPTS)["imagereward"], expected, atol=1e-6)
     # sizes come from the tensors; heads from med_config.json, else width / 64 (all published BLIPs)
     w = to_official(tiny_ir.model.state_dict())
-    vision, text = ir.config_from_official(w, {"num_attention_heads": 4})
+    vision, text = irm.config_from_official(w, {"num_attention_heads": 4})
     sizes = (vision["hidden_size"], vision["num_hidden_layers"], vision["patch_size"], vision["image_size"])
     assert sizes == (64, 2, 8, 32)
     assert (vision["num_attention_heads"], text["num_attention_heads"], text["vocab_size"]) == (1, 4, 90)
-    assert ir.config_from_official(w)[1]["num_attention_heads"] == 1  # 32 / 64, floored at one head
+    assert irm.config_from_official(w)[1]["num_attention_heads"] == 1  # 32 / 64, floored at one head
 
 
 def test_converted_directory_round_trip(tiny_ir, images, tmp_path):
