@@ -14,10 +14,30 @@ gathered on every rank, and micro-batch k of every mini-batch on rank k % world_
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 from torch import Tensor
+
+
+# `accelerate launch` exports these to every rank for an FSDP / DeepSpeed config (accelerate/utils/launch.py)
+SHARDED_LAUNCH_VARS = {"ACCELERATE_USE_FSDP": "FSDP", "ACCELERATE_USE_DEEPSPEED": "DeepSpeed"}
+
+
+def refuse_sharded_launch(environ: Mapping[str, str] | None = None) -> None:
+    """Stop a run launched with an FSDP or DeepSpeed accelerate config: the trainers do not shard yet
+    (flowgrpo.scaling is not wired in), so each rank would silently hold the whole model."""
+    from .config import ConfigError
+
+    env = os.environ if environ is None else environ
+    for var, engine in SHARDED_LAUNCH_VARS.items():
+        # accelerate reads these with str_to_bool (it writes both "true" and "True")
+        if env.get(var, "").strip().lower() in {"1", "true", "t", "yes", "y", "on"}:
+            raise ConfigError(
+                f"launched with an accelerate {engine} config ({var}), but flowgrpo does not shard yet and every "
+                "rank would hold the whole model; launch with configs/accelerate/ddp.yaml and a LoRA recipe "
+                "(e.g. configs/t2i/real/<recipe>_lora.yaml) instead"
+            )
 
 
 class Distributed:
@@ -28,6 +48,7 @@ class Distributed:
     def from_environment(cls) -> "Distributed":
         import torch.distributed as dist
 
+        refuse_sharded_launch()  # before the trainers load any model
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world <= 1:
             return cls()

@@ -5,11 +5,14 @@ statistics: the Dinov2Backbone of encoders.py). The head h is D -> head_hidden -
 float32, applied to the CLS token and to `num_patches` patch tokens drawn at random per image, with
 replacement, from a torch.Generator the scorer owns (its state is part of `state_tensors`).
 
-    reward  r = cls_weight * h(cls) + patch_weight * mean_k h(patch_k)
+    reward  r = cls_weight * h(n(cls)) + patch_weight * mean_k h(n(patch_k)),  n(x) = x / (||x|| + 1e-6)
     D loss  L = 0.5 * [mean relu(1 - h(cls_real)) + mean relu(1 + h(cls_fake))]
               + patch_weight * 0.5 * [mean relu(1 - h(patch_real)) + mean relu(1 + h(patch_fake))]
 
-(the means run over images, and over images x drawn patches for the patch term). Scoring never
+(the means run over images, and over images x drawn patches for the patch term). As published
+(showlab/Adv-GRPO `adv_grpo/rewards.py:dino_patch_cotrain_score` vs `train_dino`), the reward
+L2-normalises the tokens along the feature dim before the head while the D loss feeds the raw tokens;
+`normalize_tokens: false` scores raw tokens too. Scoring never
 builds a graph; `hinge_loss` gives a loss whose gradient reaches the head only (the backbone is
 frozen), for the trainer's discriminator step (flowgrpo.t2i.adversarial.Discriminator).
 """
@@ -17,6 +20,7 @@ frozen), for the trainer's discriminator step (flowgrpo.t2i.adversarial.Discrimi
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,6 +46,14 @@ class DiscriminatorHead(nn.Module):
         return self.layers(tokens).squeeze(-1)
 
 
+@dataclass(frozen=True)
+class HingeLoss:
+    """What a trainable scorer's `hinge_loss` gives the discriminator step."""
+
+    loss: torch.Tensor  # scalar; its gradient reaches the trainable parameters only
+    metrics: dict[str, float]  # d_loss, cls_loss, patch_loss, real_score, fake_score, accuracy
+
+
 def hinge_terms(real: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
     """0.5 * [mean relu(1 - real) + mean relu(1 + fake)] over all entries."""
     return 0.5 * (F.relu(1.0 - real).mean() + F.relu(1.0 + fake).mean())
@@ -63,6 +75,7 @@ class DinoDiscriminator(Pretrained, Scorer):
         patch_weight: float = 0.3,
         seed: int = 0,
         batch_size: int = 32,
+        normalize_tokens: bool = True,
         key: str | None = None,
     ):
         super().__init__(batch_size=batch_size, key=key)
@@ -75,6 +88,7 @@ class DinoDiscriminator(Pretrained, Scorer):
         self.head = head.to(device=backbone.device, dtype=torch.float32).requires_grad_(True)
         self.num_patches = int(num_patches)
         self.cls_weight, self.patch_weight = float(cls_weight), float(patch_weight)
+        self.normalize_tokens = bool(normalize_tokens)
         self.patch_generator = torch.Generator().manual_seed(int(seed))
         self._lock = threading.Lock()  # reward worker threads may score concurrently
 
@@ -143,13 +157,17 @@ class DinoDiscriminator(Pretrained, Scorer):
 
     @torch.no_grad()
     def score_batch(self, images, prompts, metadata):
-        h_cls, h_patch = self.logits(*self.features(images))
+        cls, patches = self.features(images)
+        if self.normalize_tokens:  # the published reward only; hinge_loss keeps the raw tokens
+            cls, patches = _unit(cls), _unit(patches)
+        h_cls, h_patch = self.logits(cls, patches)
         return {self.key: self.combine(h_cls, h_patch), f"{self.key}/cls": h_cls, f"{self.key}/patch": h_patch.mean(-1)}
 
-    def hinge_loss(self, real_images, fake_images) -> tuple[torch.Tensor, dict[str, float]]:
+    def hinge_loss(self, real_images, fake_images) -> HingeLoss:
         """Hinge loss with real_images as positives and fake_images as negatives; the gradient
         reaches the head only. Images with non-finite pixels are left out. Metrics (floats): d_loss,
-        cls_loss, patch_loss, real_score / fake_score (mean reward r), accuracy (CLS sign). Reals and
+        cls_loss, patch_loss, real_score / fake_score (mean cls/patch mix of these raw-token logits),
+        accuracy (CLS sign). Reals and
         fakes of one size go through the backbone together (reals first, one patch draw)."""
         real, fake = _finite(real_images, "real"), _finite(fake_images, "fake")
         with torch.enable_grad():
@@ -175,7 +193,12 @@ class DinoDiscriminator(Pretrained, Scorer):
                 "fake_score": float(self.combine(h_fake, hp_fake).mean()),
                 "accuracy": accuracy,
             }
-        return loss, metrics
+        return HingeLoss(loss, metrics)
+
+
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    """x / (||x|| + 1e-6) along the feature dim, Adv-GRPO's reward-side normalisation."""
+    return x / (x.norm(dim=-1, keepdim=True) + 1e-6)
 
 
 def _finite(images, what: str) -> ImageBatch:
@@ -203,6 +226,7 @@ def build_dino_discriminator(
     patch_weight: float = 0.3,
     head_hidden: int = 512,
     seed: int = 0,
+    normalize_tokens: bool = True,
     local_files_only: bool = False,
     key: str | None = None,
 ) -> DinoDiscriminator:
@@ -233,5 +257,6 @@ def build_dino_discriminator(
         patch_weight=patch_weight,
         seed=seed,
         batch_size=batch_size,
+        normalize_tokens=normalize_tokens,
         key=key,
     )

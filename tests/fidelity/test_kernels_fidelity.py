@@ -8,6 +8,9 @@
   score = -(x - (1 - sigma) x0_hat) / sigma^2, std = eta sqrt(sigma - sigma_next).
 - BranchGRPO flux_step_with_split: child = mean + (split_noise_scale eps) std; log-prob with the UNSCALED std.
 - DanceGRPO / Pref-GRPO / BranchGRPO decode pred_original of the last step: x_{T-1} - sigma_{T-1} v.
+- TP-GRPO CPS (YunzeTong/TurningPoint-GRPO, its SD3 SDE step with `sde_type="cps"`): x0_hat = x - sigma v,
+  x1_hat = x + (1 - sigma) v, std = sigma' sin(a pi / 2), mean = x0_hat (1 - sigma') + x1_hat sqrt(sigma'^2 - std^2),
+  x_next = mean + std eps; log-prob -mean_d (x_next - mean)^2 (constants dropped).
 """
 
 from __future__ import annotations
@@ -55,6 +58,12 @@ def dance_step(x, v, sigmas, i, eta, eps):
     return mean + std * eps, mean, std
 
 
+def run_kernel(name, x, v, sched, i, eps, **settings):
+    """Our kernel on float32 copies of the float64 inputs."""
+    f32 = lambda a: torch.tensor(a, dtype=torch.float32)
+    return step(name, f32(x), f32(v), sched, i, f32(eps), **settings)
+
+
 @pytest.mark.parametrize("grid", sorted(GRIDS))
 @pytest.mark.parametrize("a", [0.7, 0.8])
 def test_flow_sde_is_flow_grpos_step(grid, a):
@@ -63,15 +72,7 @@ def test_flow_sde_is_flow_grpos_step(grid, a):
     rng = np.random.default_rng(3)
     for i in range(sched.num_steps):
         x, v, eps = (rng.standard_normal((2, 4, 8, 8)) for _ in range(3))
-        out = step(
-            "flow_sde",
-            torch.tensor(x, dtype=torch.float32),
-            torch.tensor(v, dtype=torch.float32),
-            sched,
-            i,
-            torch.tensor(eps, dtype=torch.float32),
-            a=a,
-        )
+        out = run_kernel("flow_sde", x, v, sched, i, eps, a=a)
         for b in range(2):
             x_next, mean, std, logp = flow_grpo_step(x[b], v[b], sig, i, a, eps[b])
             np.testing.assert_allclose(out.mean[b].double().numpy(), mean, rtol=1e-5, atol=2e-6)
@@ -89,19 +90,40 @@ def test_dance_sde_is_dancegrpos_flux_step(eta):
     rng = np.random.default_rng(4)
     for i in range(sched.num_steps):
         x, v, eps = (rng.standard_normal((1, 4, 8, 8)) for _ in range(3))
-        out = step(
-            "dance_sde",
-            torch.tensor(x, dtype=torch.float32),
-            torch.tensor(v, dtype=torch.float32),
-            sched,
-            i,
-            torch.tensor(eps, dtype=torch.float32),
-            eta=eta,
-        )
+        out = run_kernel("dance_sde", x, v, sched, i, eps, eta=eta)
         x_next, mean, std = dance_step(x[0], v[0], sig, i, eta, eps[0])
         np.testing.assert_allclose(out.mean[0].double().numpy(), mean, rtol=1e-5, atol=5e-6)
         np.testing.assert_allclose(out.x_next[0].double().numpy(), x_next, rtol=1e-5, atol=5e-6)
         assert float(out.std) == pytest.approx(std, rel=1e-5)
+
+
+def cps_step(x, v, sigmas, i, a, eps):
+    sigma, sigma_next = sigmas[i], sigmas[i + 1]
+    x0, x1 = x - sigma * v, x + (1 - sigma) * v
+    std = sigma_next * math.sin(a * math.pi / 2)
+    # max(0, .) only guards float rounding at sigma' = 0; a = 1 makes the term exactly 0
+    mean = x0 * (1 - sigma_next) + x1 * math.sqrt(max(sigma_next**2 - std**2, 0.0))
+    x_next = mean + std * eps
+    return x_next, mean, std
+
+
+@pytest.mark.parametrize("grid", sorted(GRIDS))
+@pytest.mark.parametrize("a", [0.7, 0.8])  # not 0.5, where sin(a pi/2) = cos(a pi/2) would hide a swap
+def test_cps_is_tp_grpos_step(grid, a):
+    sched = GRIDS[grid]()
+    sig = sched.sigmas.double().numpy()
+    rng = np.random.default_rng(5)
+    for i in range(sched.num_steps):  # every sigma, the last (std 0, mean = x0_hat) included
+        x, v, eps = (rng.standard_normal((2, 4, 8, 8)) for _ in range(3))
+        out = run_kernel("cps", x, v, sched, i, eps, a=a)
+        for b in range(2):
+            x_next, mean, std = cps_step(x[b], v[b], sig, i, a, eps[b])
+            np.testing.assert_allclose(out.mean[b].double().numpy(), mean, rtol=1e-5, atol=2e-6)
+            np.testing.assert_allclose(out.x_next[b].double().numpy(), x_next, rtol=1e-5, atol=2e-6)
+            assert float(out.std) == pytest.approx(std, rel=1e-5, abs=1e-7)
+            # the surrogate of OUR float32 x_next around the published mean (what the ratio uses)
+            ours_x = out.x_next[b].double().numpy()
+            assert float(out.logp[b]) == pytest.approx(-((ours_x - mean) ** 2).mean(), rel=1e-4, abs=1e-7)
 
 
 def test_split_noise_scales_the_sample_not_the_density():
@@ -110,16 +132,7 @@ def test_split_noise_scales_the_sample_not_the_density():
     sig = sched.sigmas.double().numpy()
     rng = np.random.default_rng(5)
     x, v, eps = (rng.standard_normal((1, 4, 8, 8)) for _ in range(3))
-    out = step(
-        "dance_sde",
-        torch.tensor(x, dtype=torch.float32),
-        torch.tensor(v, dtype=torch.float32),
-        sched,
-        3,
-        torch.tensor(eps, dtype=torch.float32),
-        noise_scale=4.0,
-        eta=0.3,
-    )
+    out = run_kernel("dance_sde", x, v, sched, 3, eps, noise_scale=4.0, eta=0.3)
     _, mean, std = dance_step(x[0], v[0], sig, 3, 0.3, eps[0])
     sample = mean + (eps[0] * 4.0) * std
     np.testing.assert_allclose(out.x_next[0].double().numpy(), sample, rtol=1e-5, atol=5e-6)

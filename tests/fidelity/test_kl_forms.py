@@ -70,7 +70,7 @@ def objective_kl(estimator: str, beta: float, a: float):
     batch = edge_batch(tree, edges, torch.zeros(edges.numel()), torch.ones(edges.numel()))
     norm = LossNormalizer.from_inputs(batch.inputs())
     with torch.no_grad():
-        out, _ = objective(policy, tree, batch, ["a cat", "a red bicycle"], norm)
+        out = objective(policy, tree, batch, ["a cat", "a red bicycle"], norm).output
     return float(out.loss), (policy, ref, tree, edges)
 
 

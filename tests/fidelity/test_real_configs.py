@@ -86,6 +86,7 @@ FLUX = {
     "model.finetune": "full",
     "model.dtype": "float32",
     "model.speed.autocast": "bfloat16",
+    "model.speed.gradient_checkpointing": True,  # --gradient_checkpointing in every published FLUX script
     "sampler.height": 720,
     "sampler.width": 720,
     "sampler.guidance_scale": 3.5,
@@ -284,8 +285,8 @@ PINS: dict[str, dict[str, Any]] = {
         "plan.one_step": True,
         "advantage.estimator.name": "value_anchored",
         "advantage.estimator.gamma": 0.95,
-        "advantage.estimator.k": 0.1,  # GUESSES (no public code)
-        "advantage.estimator.absolute_steps": 5,
+        "advantage.estimator.k": 0.1,  # gamma and k: GUESSES (no public code)
+        "advantage.estimator.absolute_steps": 5,  # Eq. 13 as quoted in the public reviews
         "loss.kl.estimator": "flow_grpo",
         "loss.kl.coef": 0.01,
     },  # GUESS
@@ -307,6 +308,7 @@ PINS: dict[str, dict[str, Any]] = {
         "plan.start": 0,
         "rewards.0.name": "dino_discriminator",
         "rewards.0.model": "facebook/dinov2-base",
+        "rewards.0.normalize_tokens": True,  # dino_patch_cotrain_score: x / (||x|| + 1e-6) before the head
         "rewards.1.name": "pickscore",
         "rewards.1.weight": 0.0,
         "adversarial.enabled": True,

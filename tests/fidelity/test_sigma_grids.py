@@ -54,7 +54,7 @@ def test_time_shift_grid_is_the_published_formula(n, shift):
 
 @pytest.mark.parametrize("n, last", [(16, 1 / 6), (20, 3 / 22), (25, 1 / 9)])
 def test_last_nonzero_sigma_of_the_flux_recipes(n, last):
-    """Issue 12: on their 16 / 20 / 25-step grids the last nonzero sigma is 0.11-0.17 (3 / (n + 2)).
+    """The published FLUX runs: on their 16 / 20 / 25-step grids the last nonzero sigma is 0.11-0.17 (3 / (n + 2)).
 
     FLUX's own dynamic-shift grid (diffusers, 512 px) ends near 0.002 and differs by more than 0.15.
     """

@@ -52,9 +52,12 @@ def test_shapes_registry_and_frozen_backbone(scorer, images):
 
 
 def test_reward_formula_by_hand(scorer, images):
+    """The reward L2-normalises CLS and patches before the head, x / (||x|| + 1e-6) (Adv-GRPO rewards.py)."""
     state = scorer.patch_generator.get_state()
     out = scorer(images)
     cls, patches = hand_tokens(scorer, images, state)
+    cls = cls / (torch.linalg.vector_norm(cls, dim=-1, keepdim=True) + 1e-6)
+    patches = patches / (torch.linalg.vector_norm(patches, dim=-1, keepdim=True) + 1e-6)
     h_cls, h_patch = hand_head(scorer, cls), hand_head(scorer, patches)
     expected = 0.7 * h_cls + 0.3 * h_patch.mean(1)
     assert torch.allclose(out["dino_discriminator"], expected, atol=1e-5)
@@ -66,7 +69,26 @@ def test_reward_formula_by_hand(scorer, images):
     assert not torch.allclose(again["dino_discriminator/patch"], out["dino_discriminator/patch"])
 
 
+def test_raw_tokens_when_normalisation_is_off(images):
+    """normalize_tokens: false scores the raw tokens, which differs from the default here (the tiny
+    DINOv2's tokens are far from unit norm), so the by-hand test above pins the normalisation."""
+    kw = dict(tiny=True, device="cpu", num_patches=K, head_hidden=24, seed=3)
+    raw, unit = (
+        build_scorer("dino_discriminator", normalize_tokens=False, **kw),
+        build_scorer("dino_discriminator", **kw),
+    )
+    assert unit.normalize_tokens and not raw.normalize_tokens
+    state = raw.patch_generator.get_state()
+    cls, patches = hand_tokens(raw, images, state)
+    assert not torch.allclose(cls.norm(dim=-1), torch.ones(len(cls)), atol=0.1)
+    out_raw, out_unit = raw(images), unit(images)
+    expected = 0.7 * hand_head(raw, cls) + 0.3 * hand_head(raw, patches).mean(1)
+    assert torch.allclose(out_raw["dino_discriminator"], expected, atol=1e-5)
+    assert not torch.allclose(out_unit["dino_discriminator"], expected, atol=1e-3)
+
+
 def test_hinge_loss_by_hand_and_gradient_on_head_only(scorer):
+    """The D loss takes the raw tokens (Adv-GRPO train_dino), even though the reward normalises them."""
     real, fake = quantised_images(3, 24, 24, seed=1), quantised_images(4, 24, 24, seed=2)
     state = scorer.patch_generator.get_state()
     cls, pat = hand_tokens(scorer, torch.cat([real, fake]), state)  # one backbone pass, reals first
@@ -76,7 +98,8 @@ def test_hinge_loss_by_hand_and_gradient_on_head_only(scorer):
     with torch.no_grad():  # shift the head so that half the real patch terms sit past the hinge
         bias.add_(1 - hand_head(scorer, pat_r).median())
     try:
-        loss, metrics = scorer.hinge_loss(real, fake)
+        hinge = scorer.hinge_loss(real, fake)
+        loss, metrics = hinge.loss, hinge.metrics
         hr, hf, pr, pf = (hand_head(scorer, t) for t in (cls_r, cls_f, pat_r, pat_f))
         cls_loss = 0.5 * (F.relu(1 - hr).mean() + F.relu(1 + hf).mean())
         patch_loss = 0.5 * (F.relu(1 - pr).mean() + F.relu(1 + pf).mean())
@@ -102,12 +125,12 @@ def test_one_adam_step_lowers_the_loss_on_a_fixed_batch():
     real, fake = quantised_images(4, 16, 16, seed=4) * 0.2 + 0.8, quantised_images(4, 16, 16, seed=5) * 0.2
     opt = torch.optim.Adam(s.trainable_parameters(), lr=1e-4, betas=(0.5, 0.999))
     state = s.patch_generator.get_state()
-    before, _ = s.hinge_loss(real, fake)
+    before = s.hinge_loss(real, fake).loss
     opt.zero_grad()
     before.backward()
     opt.step()
     s.patch_generator.set_state(state)  # the same patches
-    after, _ = s.hinge_loss(real, fake)
+    after = s.hinge_loss(real, fake).loss
     assert after.item() < before.item() - 1e-5
 
 
@@ -143,7 +166,7 @@ def test_non_finite_images(scorer, images):
     x[1, 0, 0, 0] = float("nan")
     out = scorer(x)["dino_discriminator"]
     assert torch.isnan(out[1]) and torch.isfinite(out[[0, 2, 3, 4]]).all()
-    loss, _ = scorer.hinge_loss(images[:2], x)  # the NaN fake is left out
+    loss = scorer.hinge_loss(images[:2], x).loss  # the NaN fake is left out
     assert torch.isfinite(loss)
     with pytest.raises(ValueError, match="non-finite"):
         scorer.hinge_loss(images[:2], x[1:2])
