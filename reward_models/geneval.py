@@ -46,7 +46,7 @@ from .geneval_rules import (
 from .registry import register
 from .remote import RETRY_STATUSES, HttpClient, HTTPStatusError, RemoteRewardError, resolve_token
 from .serving import JSONHandler, LocalJSONServer, ServerLimits
-from .wire import ImageTooLarge, WireError, decode_png, encode_png
+from .wire import ImageTooLarge, WireError, decode_pngs, encode_png
 
 log = logging.getLogger(__name__)
 
@@ -326,7 +326,8 @@ class _DetectorHandler(JSONHandler):
         if payload is None:
             return
         try:
-            images = [decode_png(x, self.server.limits.max_pixels) for x in payload["images"]]
+            limits = self.server.limits
+            images = decode_pngs(payload["images"], limits.max_pixels, limits.max_request_pixels)
             classes = payload.get("classes") or [[] for _ in images]
             if len(classes) != len(images):
                 raise WireError(f"{len(classes)} class lists for {len(images)} images")

@@ -4,8 +4,8 @@ Standard library only (http.server.ThreadingHTTPServer). Requests are parsed in 
 scoring is serialised by a lock, since one model on one device is not made faster by concurrent
 forwards and most models are not thread-safe. Binds 127.0.0.1 unless told otherwise.
 Status codes: 400 malformed request (also JSON nested too deeply), 401 missing or wrong bearer token,
-404 unknown path, 411/413 missing or too large body, 413 an image over `max_pixels` (refused from its
-PNG header, before decoding), 503 over `max_connections` open connections, 500 the scorer failed (the
+404 unknown path, 411/413 missing or too large body, 413 an image over `max_pixels` or a request whose
+images hold more than `max_request_pixels` in all (refused from the PNG headers, before decoding any), 503 over `max_connections` open connections, 500 the scorer failed (the
 message is returned as {"error": ...}).
 
 Limits (ServerLimits): the request line and headers must arrive within `header_timeout_s` and the body
@@ -16,6 +16,7 @@ connection silent for `idle_timeout_s` is closed.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
 import socket
 import threading
@@ -40,6 +41,7 @@ class ServerLimits:
 
     max_body_bytes: int = MAX_BODY_BYTES
     max_pixels: int = 4096 * 4096  # per image, read from the PNG header before decoding
+    max_request_pixels: int = 4 * 4096 * 4096  # all images of one request together, also from the headers
     header_timeout_s: float = 10.0  # request line + headers, in total
     body_timeout_s: float = 120.0  # the whole body, in total
     idle_timeout_s: float = 30.0  # any single wait for bytes (and an idle connection)
@@ -71,9 +73,20 @@ class _Watchdog:
             pass
 
 
+def is_loopback(host: str) -> bool:
+    """True for a host only this machine can reach: localhost, 127.0.0.0/8, ::1."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 class LocalJSONServer(ThreadingHTTPServer):
     """A JSON-over-HTTP server on host:port (port 0 picks a free one; see .url). Requests are parsed in
-    parallel threads; `lock` serialises the model calls."""
+    parallel threads; `lock` serialises the model calls. A host beyond loopback (e.g. 0.0.0.0, "") needs a
+    bearer `token`: ValueError otherwise."""
 
     daemon_threads = True  # a hung client never keeps the process alive
 
@@ -86,6 +99,11 @@ class LocalJSONServer(ThreadingHTTPServer):
         limits: Optional[ServerLimits] = None,
         token: Optional[str] = None,
     ):
+        if not is_loopback(host) and not token:
+            raise ValueError(
+                f"host {host!r} serves beyond this machine: set a bearer token (token=..., or --token / "
+                "FLOWGRPO_REWARD_TOKEN for scripts/reward_server.py), or bind 127.0.0.1"
+            )
         self.limits = limits or ServerLimits(max_body_bytes=max_body_bytes)
         self.max_body_bytes = self.limits.max_body_bytes
         self.token = token or None
@@ -240,7 +258,8 @@ class RewardHandler(JSONHandler):
         if payload is None:
             return
         try:
-            images, prompts, metadata = decode_request(payload, self.server.limits.max_pixels)
+            limits = self.server.limits
+            images, prompts, metadata = decode_request(payload, limits.max_pixels, limits.max_request_pixels)
         except ImageTooLarge as e:
             self._reply(413, {"error": str(e)})
             return

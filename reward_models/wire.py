@@ -63,26 +63,57 @@ def encode_png(image: Image.Image) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def decode_png(data: Any, max_pixels: int | None = None) -> Image.Image:
-    """A base64 PNG -> RGB image. With `max_pixels`, the size in the PNG header is checked before any pixel
-    is decoded (a 435 KB PNG can declare 12000 x 12000 pixels): ImageTooLarge."""
+def _open_png(data: Any, max_pixels: int | None = None) -> Image.Image:
+    """A base64 PNG opened with its header read only (no pixel decoded); ImageTooLarge over `max_pixels`."""
     if not isinstance(data, str):
         raise WireError(f"an image must be a base64 PNG string, got {type(data).__name__}")
     try:
-        raw = base64.b64decode(data, validate=True)
-        image = Image.open(io.BytesIO(raw))  # reads the header only
-        if image.format != "PNG":
-            raise WireError(f"images must be PNG, got {image.format}")
-        width, height = image.size
-        if max_pixels is not None and width * height > max_pixels:
-            raise ImageTooLarge(
-                f"image of {width} x {height} pixels is over the server's limit of {max_pixels} "
-                "pixels; send smaller images"
-            )
-        image.load()
+        image = Image.open(io.BytesIO(base64.b64decode(data, validate=True)))  # reads the header only
     except (binascii.Error, OSError, Image.DecompressionBombError) as e:
         raise WireError(f"undecodable image: {e}") from None
+    if image.format != "PNG":
+        raise WireError(f"images must be PNG, got {image.format}")
+    width, height = image.size
+    if max_pixels is not None and width * height > max_pixels:
+        raise ImageTooLarge(
+            f"image of {width} x {height} pixels is over the server's limit of {max_pixels} pixels; send smaller images"
+        )
+    return image
+
+
+def _load_png(image: Image.Image) -> Image.Image:
+    try:
+        image.load()
+    except (OSError, Image.DecompressionBombError) as e:
+        raise WireError(f"undecodable image: {e}") from None
     return image.convert("RGB")
+
+
+def decode_png(data: Any, max_pixels: int | None = None) -> Image.Image:
+    """A base64 PNG -> RGB image. With `max_pixels`, the size in the PNG header is checked before any pixel
+    is decoded (a 435 KB PNG can declare 12000 x 12000 pixels): ImageTooLarge."""
+    return _load_png(_open_png(data, max_pixels))
+
+
+def check_request_pixels(images: list[Image.Image], max_request_pixels: int | None) -> None:
+    """ImageTooLarge when opened (not yet decoded) images hold more than `max_request_pixels` in all: the
+    decoded memory of one request is bounded, not only that of each image."""
+    total = sum(im.size[0] * im.size[1] for im in images)
+    if max_request_pixels is not None and total > max_request_pixels:
+        raise ImageTooLarge(
+            f"{len(images)} images of {total} pixels in all are over the server's limit of {max_request_pixels} "
+            "pixels per request; send fewer or smaller images per request"
+        )
+
+
+def decode_pngs(data: Any, max_pixels: int | None = None, max_request_pixels: int | None = None) -> list[Image.Image]:
+    """A list of base64 PNGs -> RGB images; every header is checked (per image, then their sum) before any
+    image is decoded."""
+    if not isinstance(data, list):
+        raise WireError(f"'images' must be a list, got {type(data).__name__}")
+    opened = [_open_png(s, max_pixels) for s in data]
+    check_request_pixels(opened, max_request_pixels)
+    return [_load_png(im) for im in opened]
 
 
 def encode_value(value: Any) -> Any:
@@ -122,12 +153,37 @@ def encode_request(images: ImageBatch, prompts: list[str] | None, metadata: dict
     }
 
 
+def _open_value(value: Any, max_pixels: int | None, opened: list[Image.Image]) -> Any:
+    """decode_value with the images only opened (header read), each appended to `opened`."""
+    if isinstance(value, dict):
+        if set(value) == {PNG_KEY}:
+            opened.append(_open_png(value[PNG_KEY], max_pixels))
+            return opened[-1]
+        return {k: _open_value(v, max_pixels, opened) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_open_value(v, max_pixels, opened) for v in value]
+    return value
+
+
+def _load_value(value: Any) -> Any:
+    if isinstance(value, Image.Image):
+        return _load_png(value)
+    if isinstance(value, dict):
+        return {k: _load_value(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_load_value(v) for v in value]
+    return value
+
+
 def decode_request(
-    payload: Any, max_pixels: int | None = None
+    payload: Any, max_pixels: int | None = None, max_request_pixels: int | None = None
 ) -> tuple[list[Image.Image], list[str] | None, dict[str, list]]:
+    """A /score request -> (images, prompts, metadata). Every image's PNG header (metadata images too) is read
+    before any is decoded: ImageTooLarge for one over `max_pixels`, or for more than `max_request_pixels` in all."""
     if not isinstance(payload, dict) or not isinstance(payload.get("images"), list):
         raise WireError("request must be a JSON object with an 'images' list")
-    images = [decode_png(s, max_pixels) for s in payload["images"]]
+    opened: list[Image.Image] = []
+    images = [_open_png(s, max_pixels) for s in payload["images"]]
     n = len(images)
     prompts = payload.get("prompts")
     if prompts is not None and (
@@ -140,7 +196,9 @@ def decode_request(
     for k, v in metadata.items():
         if not isinstance(v, list) or len(v) != n:
             raise WireError(f"metadata '{k}' must be a list of {n} values")
-    return images, prompts, {k: decode_value(v, max_pixels) for k, v in metadata.items()}
+    metadata = {k: _open_value(v, max_pixels, opened) for k, v in metadata.items()}
+    check_request_pixels(images + opened, max_request_pixels)
+    return [_load_png(im) for im in images], prompts, {k: _load_value(v) for k, v in metadata.items()}
 
 
 def encode_scores(scores: dict[str, torch.Tensor], key: str) -> dict:

@@ -2,16 +2,24 @@
 """Fetch the prompt files the real recipes read (configs/t2i/real/): one UTF-8 prompt per line under prompts/.
 
     python scripts/fetch_prompts.py pickscore        # prompts/pickscore_train.txt, prompts/pickscore_test.txt
+    python scripts/fetch_prompts.py pickscore_sfw    # prompts/pickscore_sfw_{train,test}.txt (TP-GRPO)
     python scripts/fetch_prompts.py hpdv2            # prompts/hpdv2_train.txt, prompts/hpdv2_test.txt
+    python scripts/fetch_prompts.py unigenbench      # prompts/unigenbench_train.txt (Pref-GRPO)
     python scripts/fetch_prompts.py --check          # what is there: files, prompt counts, problems
     python scripts/fetch_prompts.py hpdv2_test --from benchmark/photo.json benchmark/anime.json   # offline
 
 Sources (the published sets, not shipped here for their size and licences):
     pickscore  the Flow-GRPO repository's dataset/pickscore/{train,test}.txt (Pick-a-Pic prompts)
+    pickscore_sfw  the Flow-GRPO repository's dataset/pickscore_sfw/{train,test}.txt (Pick-a-Pic's SFW
+               captions), which TP-GRPO's config/my_grpo.py reads as `dataset/pickscore_sfw`
     hpdv2      the HPDv2 dataset on the Hugging Face hub (zhwang/HPDv2): train.json's prompts for
                train, benchmark/{anime,concept-art,paintings,photo}.json (3,200 prompts) for test
-`--from` converts local copies instead (.txt one per line, .json a list of strings or of objects with
-"prompt", .jsonl objects with "prompt"). Prompts are stripped; empty lines and repeats are dropped.
+    unigenbench  the Pref-GRPO repository's data/unigenbench_train_data.txt (UniGenBench's train prompts;
+               github.com/CodeGoat24/Pref-GRPO); there is no test split here (UniGenBench's test prompts
+               are a benchmark, github.com/CodeGoat24/UniGenBench)
+A failed download says so and names `--from`, which converts local copies instead (.txt one per line,
+.json a list of strings or of objects with "prompt", .jsonl objects with "prompt"). Prompts are stripped;
+empty lines and repeats are dropped.
 """
 
 from __future__ import annotations
@@ -26,7 +34,8 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 ROOT = Path(__file__).resolve().parents[1]
-FLOW_GRPO = "https://raw.githubusercontent.com/yifan123/flow_grpo/main/dataset/pickscore/{split}.txt"
+FLOW_GRPO = "https://raw.githubusercontent.com/yifan123/flow_grpo/main/dataset/{name}/{split}.txt"
+PREF_GRPO = "https://raw.githubusercontent.com/CodeGoat24/Pref-GRPO/main/data/unigenbench_train_data.txt"
 HPD_REPO, HPD_STYLES = "zhwang/HPDv2", ("anime", "concept-art", "paintings", "photo")
 
 
@@ -68,12 +77,21 @@ def _hub(filename: str) -> tuple[str, str]:
 
 
 SOURCES: dict[str, list[Callable[[], tuple[str, str]]]] = {
-    "pickscore_train": [lambda: _url(FLOW_GRPO.format(split="train"))],
-    "pickscore_test": [lambda: _url(FLOW_GRPO.format(split="test"))],
+    "pickscore_train": [lambda: _url(FLOW_GRPO.format(name="pickscore", split="train"))],
+    "pickscore_test": [lambda: _url(FLOW_GRPO.format(name="pickscore", split="test"))],
+    "pickscore_sfw_train": [lambda: _url(FLOW_GRPO.format(name="pickscore_sfw", split="train"))],
+    "pickscore_sfw_test": [lambda: _url(FLOW_GRPO.format(name="pickscore_sfw", split="test"))],
     "hpdv2_train": [lambda: _hub("train.json")],
     "hpdv2_test": [lambda s=s: _hub(f"benchmark/{s}.json") for s in HPD_STYLES],
+    "unigenbench_train": [lambda: _url(PREF_GRPO)],
 }
-GROUPS = {"pickscore": ["pickscore_train", "pickscore_test"], "hpdv2": ["hpdv2_train", "hpdv2_test"]}
+GROUPS = {
+    "pickscore": ["pickscore_train", "pickscore_test"],
+    "pickscore_sfw": ["pickscore_sfw_train", "pickscore_sfw_test"],
+    "hpdv2": ["hpdv2_train", "hpdv2_test"],
+    "unigenbench": ["unigenbench_train"],
+}
+GROUP_OF = {name: group for group, names in GROUPS.items() for name in names}
 
 
 def check(folder: Path) -> int:
@@ -86,7 +104,7 @@ def check(folder: Path) -> int:
             print(f"{path}: {n} prompts" if n else f"{path}: EMPTY")
             bad += n == 0
         except FileNotFoundError:
-            print(f"{path}: missing (python scripts/fetch_prompts.py {name.split('_')[0]})")
+            print(f"{path}: missing (python scripts/fetch_prompts.py {GROUP_OF[name]})")
             bad += 1
         except UnicodeDecodeError as err:
             print(f"{path}: not UTF-8 (byte {err.start})")
@@ -95,7 +113,7 @@ def check(folder: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sets", nargs="*", help=f"any of {sorted(GROUPS)} or {sorted(SOURCES)}")
     parser.add_argument("--from", dest="local", nargs="+", metavar="FILE", help="convert local files (one set)")
     parser.add_argument("--out", default=str(ROOT / "prompts"), help="folder (default: prompts/ of the checkout)")
@@ -114,7 +132,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.local:
             docs = [(Path(f).read_text(encoding="utf-8"), f) for f in args.local]
         else:
-            docs = [fetch() for fetch in SOURCES[name]]
+            try:
+                docs = [fetch() for fetch in SOURCES[name]]
+            except Exception as err:  # noqa: BLE001 - network, HTTP and hub errors alike: one line, and the way out
+                raise SystemExit(
+                    f"fetch_prompts: {name}: download failed ({type(err).__name__}: {err}); get the file by hand "
+                    f"(sources: python scripts/fetch_prompts.py --help) and run: "
+                    f"python scripts/fetch_prompts.py {name} --from FILE"
+                ) from None
         prompts = [p for text, where in docs for p in prompts_in(text, where)]
         print(f"{out / (name + '.txt')}: {write_prompts(prompts, out / f'{name}.txt')} prompts")
     return 0

@@ -11,7 +11,7 @@ otherwise. Clients: reward_models.remote.RemoteScorer, or build_scorer({"name": 
 Beyond this machine, only with a token: `--host 0.0.0.0` is refused unless a bearer token is set
 (`--token` or the FLOWGRPO_REWARD_TOKEN environment variable; clients send it with `token: env:NAME`).
     FLOWGRPO_REWARD_TOKEN=$(openssl rand -hex 16) python scripts/reward_server.py --scorer pickscore --host 0.0.0.0
-Limits (each a flag): pixels per image, body size, header / body / idle timeouts, open connections.
+Limits (each a flag): pixels per image and per request, body size, header / body / idle timeouts, open connections.
 """
 
 from __future__ import annotations
@@ -59,6 +59,13 @@ def main(argv: list[str] | None = None) -> int:
         default=16.8,
         help="largest image, in millions of pixels, read from the PNG header (413 above it)",
     )
+    parser.add_argument(
+        "--max-request-megapixels",
+        type=float,
+        default=67.2,
+        help="all images of one request together, in millions of pixels, summed from the PNG headers before "
+        "decoding any (413 above it; a client's batch_size x height x width must fit)",
+    )
     parser.add_argument("--header-timeout", type=float, default=10.0, help="seconds for request line + headers")
     parser.add_argument("--body-timeout", type=float, default=120.0, help="seconds for a whole request body")
     parser.add_argument("--idle-timeout", type=float, default=30.0, help="seconds of silence before closing")
@@ -69,19 +76,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="log every request")
     args = parser.parse_args(argv)
     token = args.token or os.environ.get("FLOWGRPO_REWARD_TOKEN") or None
-    if args.host not in ("127.0.0.1", "localhost", "::1") and token is None:
-        parser.error(f"--host {args.host} serves beyond this machine: set a token (--token or FLOWGRPO_REWARD_TOKEN)")
 
     try:
         import reward_models  # noqa: F401
     except ImportError:  # running from a checkout without an install
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from reward_models.registry import build_scorer
-    from reward_models.serving import ServerLimits, make_server
+    from reward_models.serving import ServerLimits, is_loopback, make_server
+
+    if not is_loopback(args.host) and token is None:  # before the scorer loads (the server checks it too)
+        parser.error(f"--host {args.host} serves beyond this machine: set a token (--token or FLOWGRPO_REWARD_TOKEN)")
 
     limits = ServerLimits(
         max_body_bytes=args.max_body_mb * 2**20,
         max_pixels=int(args.max_megapixels * 1e6),
+        max_request_pixels=int(args.max_request_megapixels * 1e6),
         header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout,
         idle_timeout_s=args.idle_timeout,

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from ..config import ConfigError, read_text_file
+
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 _KNOWN_KEYS = ("file", "prompt", "index", "metadata")
 
@@ -61,10 +63,14 @@ def read_prompt_file(path: str | Path) -> list[PromptRow]:
     path = Path(path)
     if not path.is_file():
         raise EvaluationError(f"prompt file not found: {path}")
+    try:
+        text = read_text_file(path, "prompt file")
+    except ConfigError as err:  # not UTF-8: one line naming the file and the byte
+        raise EvaluationError(str(err)) from None
     if path.suffix.lower() != ".jsonl":
-        return [PromptRow(line.strip()) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        return [PromptRow(line.strip()) for line in text.splitlines() if line.strip()]
     rows = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         where = f"{path}:{n}"

@@ -26,6 +26,21 @@ class PromptSet:
         return PromptSet([self.prompts[i] for i in index], [self.metadata[i] for i in index])
 
 
+# the prompt files scripts/fetch_prompts.py writes: its set name -> the splits it has
+FETCHABLE = {"pickscore": ("train", "test"), "pickscore_sfw": ("train", "test"), "hpdv2": ("train", "test"),
+             "unigenbench": ("train",)}  # fmt: skip
+
+
+def _fetch_hint(file: Path) -> str:
+    """For a missing prompts/<set>_<split>.txt: the command that fetches it."""
+    if file.parent.name != "prompts":
+        return ""
+    name, _, split = file.stem.rpartition("_")
+    if file.suffix == ".txt" and split in FETCHABLE.get(name, ()):
+        return f"; fetch it: python scripts/fetch_prompts.py {name} (or convert a local copy with --from)"
+    return "; the real recipes' prompt sets: python scripts/fetch_prompts.py --check lists them"
+
+
 def load_prompt_set(prompts: Optional[list[str]], path: Optional[str], what: str = "data") -> Optional[PromptSet]:
     """Inline prompts or a file; None when neither is given."""
     if prompts is not None:
@@ -36,12 +51,7 @@ def load_prompt_set(prompts: Optional[list[str]], path: Optional[str], what: str
         return None
     file = Path(path)
     if not file.is_file():
-        hint = (
-            "; the real recipes' prompt sets: python scripts/fetch_prompts.py pickscore (or hpdv2)"
-            if file.parent.name == "prompts"
-            else ""
-        )
-        raise ConfigError(f"{what}: prompt file '{path}' does not exist{hint}")
+        raise ConfigError(f"{what}: prompt file '{path}' does not exist{_fetch_hint(file)}")
     if file.suffix == ".jsonl":
         rows, metas = [], []
         for n, line in enumerate(read_text_file(file, what).splitlines(), 1):

@@ -1,4 +1,4 @@
-"""The README's Quickstart on an install without extras: no torchvision (issue 16, item 1)."""
+"""The README's Quickstart on an install without extras: no torchvision (the Quickstart must work on a bare install)."""
 
 from .cli_helpers import ROOT, run_cli
 

@@ -1,4 +1,5 @@
-"""What a new user meets in the first hour, through the `flowgrpo` command (issue 16, items 2 and 5)."""
+"""What a new user meets in the first hour, through the `flowgrpo` command: the README's
+commands work as written, and a mistake (a bad path, YAML, setting or input) fails in one clear line."""
 
 import json
 
@@ -95,6 +96,24 @@ def test_prompt_file_not_utf8(tmp_path):
     assert len(text.splitlines()) == 1
 
 
+def test_evaluate_prompt_file_not_utf8(tmp_path):
+    samples = tmp_path / "samples"
+    samples.mkdir()
+    for i in range(2):
+        Image.new("RGB", (16, 16), (100,) * 3).save(samples / f"im{i}.png")
+    for name, data in (
+        ("prompts.txt", "a caf\xe9\nsecond\n".encode("latin-1")),
+        ("prompts.jsonl", '{"file": "im0.png", "prompt": "caf\xe9"}\n'.encode("latin-1")),
+    ):
+        (tmp_path / name).write_bytes(data)
+        done = run_cli(
+            "evaluate", "--images", str(samples), "--prompts", str(tmp_path / name), "--scorers", "brightness",
+            "-o", str(tmp_path / "ev"), cwd=tmp_path,
+        )  # fmt: skip
+        text = _one_line_error(done, "is not UTF-8 text", name)
+        assert len(text.splitlines()) == 1
+
+
 def test_settings_that_cannot_work_fail_before_any_folder(tmp_path):
     for command, config, bad in (
         ("train-t2i", T2I_TINY, "sampler.num_steps=0"),
@@ -105,6 +124,15 @@ def test_settings_that_cannot_work_fail_before_any_folder(tmp_path):
         done = run_cli(command, config, f"output_dir={out}", bad, cwd=tmp_path)
         _one_line_error(done, bad.split("=")[0])
         assert not out.exists()
+
+
+def test_resolution_the_model_cannot_take_is_one_line(tmp_path):
+    for bad, why in (("sampler.height=4096", "larger than this model takes"), ("sampler.height=9", "multiples of")):
+        out = tmp_path / bad.replace("=", "_")
+        done = run_cli("train-t2i", T2I_TINY, f"output_dir={out}", bad, cwd=tmp_path)
+        text = _one_line_error(done, "sampler.height", why)
+        assert len(text.splitlines()) == 1
+        assert not out.exists() or not any(out.iterdir())  # checked before anything is written
 
 
 def test_nft_progress_bar_shows_no_nan_kl(tmp_path):

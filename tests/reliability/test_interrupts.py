@@ -1,5 +1,5 @@
 """Ctrl-C and SIGTERM finish the current update, save a checkpoint and stop; resume continues from it; the
-default config checkpoints periodically (issue 16, item 3). Through the `flowgrpo` command."""
+default config checkpoints periodically. Through the `flowgrpo` command."""
 
 import os
 import signal
@@ -64,7 +64,7 @@ def test_text_signal_saves_and_resume_continues(tmp_path, sig):
     resumed = _start(tmp_path, *args, f"steps={step + 1}", "resume=true")
     _, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err[-2000:]
-    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == list(range(1, step + 2))
+    assert [r["iteration"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == list(range(1, step + 2))
 
 
 def test_t2i_sigterm_saves(tmp_path):

@@ -1,5 +1,5 @@
-"""Non-finite rewards never reach the weights or a checkpoint; all-NaN rewards warn and stop (issue 16,
-items 7 and 8). Through `flowgrpo train-text` with a user's reward file, and train_t2i with a scorer."""
+"""Non-finite rewards never reach the weights or a checkpoint; all-NaN rewards warn and stop.
+Through `flowgrpo train-text` with a user's reward file, and train_t2i with a scorer."""
 
 import math
 from pathlib import Path

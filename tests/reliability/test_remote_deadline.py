@@ -1,5 +1,6 @@
 """deadline_s / timeout_s bound the whole remote call, even against a server that trickles its answer one
-byte at a time (issue 16, item 6). Through the `remote` and `geneval` config keys a user sets."""
+byte at a time (a run never waits on a reward server without a bound). Through the `remote` and
+`geneval` config keys a user sets."""
 
 import socket
 import threading

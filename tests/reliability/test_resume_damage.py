@@ -1,5 +1,6 @@
-"""Resume survives damage (issue 16, items 9 and 11): a torn last line in metrics.jsonl, a metrics rewrite
-killed half-way, a truncated or altered checkpoint file. Through `flowgrpo train-text ... resume=true`."""
+"""Resume survives damage (a crash must never lose more than the last checkpoint): a torn last line
+in metrics.jsonl, a metrics rewrite killed half-way, a truncated or altered checkpoint file. Through
+`flowgrpo train-text ... resume=true`."""
 
 import json
 import os
@@ -31,15 +32,15 @@ def test_resume_after_a_torn_metrics_line(tmp_path):
     assert _text(tmp_path, "steps=2").returncode == 0
     metrics = tmp_path / "run" / "metrics.jsonl"
     with metrics.open("a") as f:
-        f.write('{"step": 3, "reward_mean": 0.4')  # a crash mid-write: no closing brace, no newline
+        f.write('{"iteration": 3, "reward_mean": 0.4')  # a crash mid-write: no closing brace, no newline
     done = _text(tmp_path, "steps=4", "resume=true")
     assert done.returncode == 0, done.stderr[-2000:]
-    assert [r["step"] for r in read_metrics(metrics)] == [1, 2, 3, 4]
+    assert [r["iteration"] for r in read_metrics(metrics)] == [1, 2, 3, 4]
 
 
 def test_metrics_rewrite_is_atomic(tmp_path, monkeypatch):
     metrics = tmp_path / "metrics.jsonl"
-    metrics.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 6)))
+    metrics.write_text("".join(json.dumps({"iteration": s}) + "\n" for s in range(1, 6)))
     before = metrics.read_text()
 
     def killed(*args):
@@ -47,12 +48,12 @@ def test_metrics_rewrite_is_atomic(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "replace", killed)
     with pytest.raises(KeyboardInterrupt):
-        truncate_metrics(metrics, 3, "step")
+        truncate_metrics(metrics, 3)
     assert metrics.read_text() == before
     assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]  # no temporary file left behind
     monkeypatch.undo()
-    truncate_metrics(metrics, 3, "step")
-    assert [r["step"] for r in read_metrics(metrics)] == [1, 2, 3]
+    truncate_metrics(metrics, 3)
+    assert [r["iteration"] for r in read_metrics(metrics)] == [1, 2, 3]
 
 
 def _first(folder: Path, pattern: str) -> Path:
@@ -73,7 +74,7 @@ def test_resume_falls_back_past_a_damaged_checkpoint(tmp_path, damage):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "step_00000003 is damaged" in done.stderr and weights.name in done.stderr
     assert "resumed from" in done.stderr and "step_00000002" in done.stderr
-    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert [r["iteration"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3, 4]
 
 
 def test_every_checkpoint_damaged_is_one_line(tmp_path):

@@ -1,4 +1,5 @@
-"""scripts/reward_server.py under abuse, over HTTP (issue 16, items 13-16): a PNG declaring 144 M pixels,
+"""scripts/reward_server.py under abuse, over HTTP (one request must never cost unbounded memory, time or
+connections): a PNG declaring 144 M pixels,
 100,000 nested brackets, idle / trickling / too many connections, and the bearer token."""
 
 import base64
@@ -91,6 +92,18 @@ def test_pixel_cap_is_a_setting(server):
     url = server("--max-megapixels", "0.0001")  # 100 pixels
     assert post(url, request(png(20, 20)))[0] == 413
     assert post(url, request(png(4, 4)))[0] == 200
+
+
+def test_pixels_per_request_are_capped_before_decoding(server):
+    url = server()  # defaults: 16.8 M pixels an image, 67.2 M a request
+    start = time.monotonic()
+    status, answer = post(url, request(*[png(4096, 4096)] * 5))  # each under the image cap, 84 M in all
+    assert status == 413 and "per request" in answer["error"], answer
+    assert time.monotonic() - start < 5  # refused from the headers, nothing decoded
+    assert post(url, request(*[png(4, 4)] * 8))[0] == 200
+    url = server("--max-request-megapixels", "0.0001")  # 100 pixels a request
+    assert post(url, request(*[png(4, 4)] * 7))[0] == 413  # 112 pixels
+    assert post(url, request(*[png(4, 4)] * 6))[0] == 200  # 96 pixels
 
 
 def test_deep_nesting_is_a_400(server):
@@ -196,6 +209,22 @@ def test_binding_beyond_loopback_needs_a_token():
         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
     )
     assert done.returncode == 2 and "token" in done.stderr.splitlines()[-1]
+
+
+def test_python_servers_beyond_loopback_need_a_token():
+    """make_server / make_detector_server (the Python API) refuse a non-loopback host without a token too."""
+    from reward_models.geneval import make_detector_server
+    from reward_models.serving import make_server
+
+    scorer = build_scorer({"name": "brightness"})
+    for make, target in ((make_server, scorer), (make_detector_server, lambda images, classes, colors: [])):
+        for host in ("0.0.0.0", ""):
+            with pytest.raises(ValueError, match="token") as err:
+                make(target, host, 0)
+            assert repr(host) in str(err.value)
+        for host in ("127.0.0.1", "127.0.0.2", "localhost"):
+            make(target, host, 0).server_close()
+        make(target, "0.0.0.0", 0, token="s3cret").server_close()
 
 
 def test_judge_clients_send_the_token(monkeypatch):
