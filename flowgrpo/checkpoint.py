@@ -37,6 +37,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from .atomic_io import TensorInJSONError, fsync_dir, fsync_file, from_json, to_json
+
 FORMAT_VERSION = 1
 _PREFIX = "step_"
 
@@ -45,51 +47,23 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be read or does not match what it is loaded into."""
 
 
-# --- JSON with tuples ----------------------------------------------------------------------------
-
-
-def _to_json(value: Any) -> Any:
-    """JSON-able copy that keeps tuples apart from lists (optimizer betas, RNG states)."""
-    if isinstance(value, tuple):
-        return {"__tuple__": [_to_json(v) for v in value]}
-    if isinstance(value, list):
-        return [_to_json(v) for v in value]
-    if isinstance(value, dict):
-        bad = [k for k in value if not isinstance(k, str)]
-        if bad:
-            return {"__intkeys__": [[k, _to_json(v)] for k, v in value.items()]}
-        return {k: _to_json(v) for k, v in value.items()}
-    if isinstance(value, (np.integer,)):
-        return int(value)
-    if isinstance(value, (np.floating,)):
-        return float(value)
-    if isinstance(value, torch.Tensor):
-        raise CheckpointError("a tensor reached the JSON part of a checkpoint; tensors go to safetensors")
-    return value
-
-
-def _from_json(value: Any) -> Any:
-    if isinstance(value, list):
-        return [_from_json(v) for v in value]
-    if isinstance(value, dict):
-        if set(value) == {"__tuple__"}:
-            return tuple(_from_json(v) for v in value["__tuple__"])
-        if set(value) == {"__intkeys__"}:
-            return {k: _from_json(v) for k, v in value["__intkeys__"]}
-        return {k: _from_json(v) for k, v in value.items()}
-    return value
+# --- JSON (tuples kept apart from lists by flowgrpo.atomic_io) -------------------------------------
 
 
 def _write_json(path: Path, obj: Any) -> None:
+    try:
+        value = to_json(obj)
+    except TensorInJSONError as err:
+        raise CheckpointError(str(err)) from None
     with open(path, "w") as f:
-        json.dump(_to_json(obj), f, indent=1, allow_nan=True)
+        json.dump(value, f, indent=1, allow_nan=True)
         f.flush()
         os.fsync(f.fileno())
 
 
 def _read_json(path: Path) -> Any:
     with open(path) as f:
-        return _from_json(json.load(f))
+        return from_json(json.load(f))
 
 
 # --- tensors ------------------------------------------------------------------------------------
@@ -123,8 +97,7 @@ def _save_tensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
             seen[key] = name
         unique[name] = t.to("cpu").contiguous().clone()
     save_file(unique, str(path), metadata={"aliases": json.dumps(aliases)})
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
+    fsync_file(path)
 
 
 def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -277,19 +250,6 @@ def _umask() -> int:
     return mask
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(str(path), os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(
     root: str | Path,
     step: int,
@@ -340,7 +300,7 @@ def save_checkpoint(
         )
         for f in tmp.iterdir():
             os.chmod(f, 0o666 & ~_umask())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if target.exists():  # re-saving a step (e.g. after a resume): move the old one aside first
             old = root / f".old-{target.name}-{os.getpid()}"
             os.rename(target, old)
@@ -348,7 +308,7 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, target)
-        _fsync_dir(root)
+        fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

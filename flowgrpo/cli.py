@@ -36,7 +36,7 @@ def _cmd_train_text(args: argparse.Namespace) -> int:
         first = history[0].get("reward_mean", math.nan)
         last = history[-1].get("reward_mean", math.nan)
         print(
-            f"reward {first:.3f} -> {last:.3f} over steps {history[0]['step']}..{history[-1]['step']}; "
+            f"reward {first:.3f} -> {last:.3f} over steps {history[0]['iteration']}..{history[-1]['iteration']}; "
             f"metrics in {config.output_dir}/metrics.jsonl"
         )
     else:

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from .config import dump_config
 from .core import AdvantageConfig, GroupBatch, LossConfig, LossInputs, LossNormalizer, StrictModel
 from .core import compute_advantages, policy_loss
-from .metrics import MetricsWriter
+from .metrics import COUNTER_KEY, TIME_KEY, MetricsWriter
 
 
 # The embedded default; a config file or overrides are merged over it key by key.
@@ -89,7 +89,7 @@ def run_demo(config: DemoConfig) -> list[dict]:
                 logp_ref=logp_ref,
             )
             norm = LossNormalizer.from_inputs(full)
-            record = {"iteration": iteration, **adv.metrics}
+            record = {COUNTER_KEY: iteration + 1, **adv.metrics}  # 1-based, as in the trainers' records
             for epoch in range(config.inner_epochs):
                 optimizer.zero_grad()
                 order = torch.randperm(N, generator=gen)
@@ -104,7 +104,7 @@ def run_demo(config: DemoConfig) -> list[dict]:
                         )
                 optimizer.step()
             record.update(result.metrics)
-            record["time_s"] = time.perf_counter() - t0
+            record[TIME_KEY] = time.perf_counter() - t0
             writer.write(record)
             history.append(record)
             bar.set_postfix(reward=f"{record['reward_mean']:.3f}")

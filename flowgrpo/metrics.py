@@ -1,5 +1,10 @@
 """metrics.jsonl: one JSON object per iteration, flushed as it is written so a crash loses nothing.
 
+Both trainers write the same names for the same quantities (`SHARED_KEYS`, docs/architecture.md): the counter
+`iteration` (1-based, the text trainer's steps too), `time_iteration_s`, the model-call counts `nfe_nograd`,
+`nfe_grad` (rows through the model: images at one timestep, or sequences) and `backward_passes`, the reward
+statistics `reward_mean`, `reward_std`, `rewards/<name>/...` and the loss's `ratio/mean`, `approx_kl`, ...
+
 A crash or a full disk mid-write can leave a partial last line: readers skip it (with a warning) and a
 resumed run drops it. Rewrites go to a temporary file renamed over the old one, so a kill during a
 rewrite leaves the old file whole.
@@ -9,11 +14,22 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
+
+from .atomic_io import replace_text_atomically
+
+COUNTER_KEY = "iteration"  # the step counter of a record (1-based), in both trainers' metrics.jsonl
+LEGACY_COUNTER_KEYS = ("step",)  # the text trainer's counter before it was `iteration`: read on resume
+TIME_KEY = "time_iteration_s"  # wall seconds of one training step (rollout, scoring, update)
+
+# one name per quantity in both trainers' records (tests/test_run_shared.py runs both and compares)
+SHARED_KEYS = (
+    COUNTER_KEY, TIME_KEY, "lr", "reward_mean", "reward_std", "rewards/nan_count", "adv/mean", "adv/std",
+    "nfe_nograd", "nfe_grad", "backward_passes", "reward_calls", "optimizer_steps", "grad_norm", "loss/total", "ratio/mean",
+    "approx_kl", "clip/frac", "time_rollout_s", "time_reward_s", "time_train_s", "check/first_pass_ratio_dev",
+)  # fmt: skip
 
 
 def _clean(value: Any) -> Any:
@@ -67,27 +83,22 @@ def _records(path: Path) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def _replace_atomically(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def _counter(record: dict[str, Any], key: str) -> Any:
+    """The record's step counter: `key`, or a legacy name (a file written before the names were shared)."""
+    for name in (key, *LEGACY_COUNTER_KEYS):
+        if name in record:
+            return record[name]
+    return 0
 
 
-def truncate_metrics(path: str | Path, last: int, key: str) -> None:
-    """Drop records whose `key` (step / iteration) is past `last` (written after the checkpoint a run resumes
-    from) and a torn last line; the file is replaced atomically."""
+def truncate_metrics(path: str | Path, last: int, key: str = COUNTER_KEY) -> None:
+    """Drop records whose counter `key` (or its legacy name `step`) is past `last` (written after the checkpoint
+    a run resumes from) and a torn last line; the file is replaced atomically."""
     path = Path(path)
     if not path.is_file():
         return
-    kept = [line for line, record in _records(path) if record.get(key, 0) <= last]
-    _replace_atomically(path, "".join(line + "\n" for line in kept))
+    kept = [line for line, record in _records(path) if _counter(record, key) <= last]
+    replace_text_atomically(path, "".join(line + "\n" for line in kept))
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

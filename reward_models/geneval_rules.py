@@ -27,7 +27,7 @@ Sources: thresholds and margin from Flow-GRPO's GenEval reward server; the
 relation rule, the > comparisons, the NMS loop and the original `correct` check follow the
 published GenEval evaluate_images.py as remembered [verify against the source]; the exact
 structure of the partial score (which terms are added when a count fails, excludes not scored)
-is from the study notes, not the code [unverified].
+is from a description of yifan123/reward-server's GenEval scorer, not its code [unverified].
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ tokenized on its own (no special tokens) and appended right after the chat templ
 prompt. A prompt with no tokens gets NaN. Extra output '<key>/tokens': the number of scored tokens.
 
 [unverified] The paper leaves the VLM, the query text and mean-vs-sum normalisation open (no code
-found). Defaults here: reduction="mean" (the formula as summarised in our notes), query
-DEFAULT_QUERY, model Qwen/Qwen2.5-VL-7B-Instruct (the authors' group works with Qwen models); all
-three are settings. The paper reports reward quality grows with VLM size.
+found). Defaults here: reduction="mean" (the mean token log-probability of the prompt, the
+reading of arXiv 2604.12652 taken here), query DEFAULT_QUERY, model Qwen/Qwen2.5-VL-7B-Instruct (the
+authors' group works with Qwen models); all three are settings. The paper reports reward quality grows with VLM size.
 
 Any transformers image-text-to-text model whose processor has a chat template works
 (AutoModelForImageTextToText + AutoProcessor: Qwen2-VL / Qwen2.5-VL / Qwen3-VL, LLaVA, Idefics3,

@@ -140,9 +140,7 @@ def run_ours(args, size: str, variant: str, out_dir: Path) -> list[dict]:
                     "phases": {name: rec[k] for k, name in PHASES.items() if k in rec},
                     "reward": rec["reward_mean"],
                     "counts": {
-                        k: rec[k]
-                        for k in ("count/forward_nograd", "count/forward_grad", "backward_passes", "check/rows")
-                        if k in rec
+                        k: rec[k] for k in ("nfe_nograd", "nfe_grad", "backward_passes", "check/rows") if k in rec
                     },
                 }
             )

@@ -1,6 +1,6 @@
 """Every field of every config model is read by some code: a field nothing reads is a setting that silently
 does nothing. Walks the pydantic models reachable from the image and text trainers' configs (and the
-evaluation config) and looks for a read of each field in the package sources: an attribute access
+evaluation and core demo configs) and looks for a read of each field in the package sources: an attribute access
 `.field`, or the name as a string key (`"field"`, for getattr / dumped dicts)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
+from flowgrpo.demo import DemoConfig
 from flowgrpo.evaluation.config import EvalConfig as EvaluationConfig
 from flowgrpo.t2i.config import T2IConfig
 from flowgrpo.text.config import TextConfig
@@ -55,7 +56,7 @@ SOURCE = _source_without_declarations()
 FIELDS = sorted(
     {
         (name, field)
-        for root in (T2IConfig, TextConfig, EvaluationConfig)
+        for root in (T2IConfig, TextConfig, EvaluationConfig, DemoConfig)
         for name, model in _models(root).items()
         for field in model.model_fields
     }

@@ -87,9 +87,9 @@ class TrainStep:
         self.norm = LossNormalizer.from_inputs(self.batch.inputs())
 
     def forward_backward(self) -> torch.Tensor:
-        out, logp = self.objective(self.adapter, self.tree, self.batch, self.prompts, self.norm)
-        out.loss.backward()
-        return logp
+        edge_loss = self.objective(self.adapter, self.tree, self.batch, self.prompts, self.norm)
+        edge_loss.output.loss.backward()
+        return edge_loss.logp
 
     def __call__(self) -> torch.Tensor:
         logp = self.forward_backward()

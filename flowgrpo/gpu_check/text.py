@@ -20,7 +20,7 @@ from .device import DeviceInfo, peak_memory_gib, reset_peak_memory
 from .report import Section
 
 TIME_KEYS = {
-    "time_step_s": "step s",
+    "time_iteration_s": "step s",
     "time_rollout_s": "generate s",
     "time_logprob_s": "log-prob s",
     "time_train_s": "train s",

@@ -2,7 +2,7 @@
 
 loop         RunLoop: process setup, checkpoints and (verified) resume, metrics.jsonl, progress, evaluation hooks,
              the non-finite guard's verdict per step, SIGINT / SIGTERM (finish the step, save, stop)
-optim        AdamW + LR schedule; OptimizerStep (all-reduce, clip, skip a NaN / inf gradient, step, EMA)
+optim        AdamW + LR schedule (ScheduledOptimizer); OptimizerStep (all-reduce, clip, skip a NaN / inf gradient, step, EMA)
 ema          ScheduledEMA: the EMA of the trained weights on its configured schedule
 ratio_check  FirstPassCheck and OnPolicyRatioWarning
 prompts      PromptSampler (seeded epochs, resumable)
@@ -12,12 +12,12 @@ config       OptimConfig, CheckpointConfig, RatioCheckConfig, EMAConfig
 from .config import CheckpointConfig, EMAConfig, OptimConfig, RatioCheckConfig
 from .ema import ScheduledEMA, build_ema, flow_grpo_decay
 from .loop import CheckpointParts, RunLoop
-from .optim import OptimizerStep, build_optimizer, lr_factor
+from .optim import OptimizerStep, ScheduledOptimizer, build_optimizer, lr_factor
 from .prompts import PromptOrderError, PromptSampler
 from .ratio_check import FirstPassCheck, OnPolicyRatioWarning
 
 __all__ = [
     "CheckpointConfig", "CheckpointParts", "EMAConfig", "FirstPassCheck", "OnPolicyRatioWarning", "OptimConfig",
-    "OptimizerStep", "PromptOrderError", "PromptSampler", "RatioCheckConfig", "RunLoop", "ScheduledEMA", "build_ema",
-    "build_optimizer", "flow_grpo_decay", "lr_factor",
+    "OptimizerStep", "PromptOrderError", "PromptSampler", "RatioCheckConfig", "RunLoop", "ScheduledEMA",
+    "ScheduledOptimizer", "build_ema", "build_optimizer", "flow_grpo_decay", "lr_factor",
 ]  # fmt: skip

@@ -9,7 +9,11 @@ and the final model. The loop owns the order of everything else:
     train()    config.yaml -> [evaluate "before"] -> SIGINT / SIGTERM handlers -> per step: train_step()
                -> [evaluate] -> metrics.jsonl -> [checkpoint] -> progress bar -> [stop on a signal] ...
                -> [evaluate "after", final model]
-    train_step() record {unit, lr} -> iterate(record) -> LR schedule -> step += 1 -> guard.end_update
+    train_step() record {iteration, lr} -> iterate(record) -> LR schedule -> step += 1 -> guard.end_update
+
+Both trainers write the same names for the same quantities (docs/architecture.md lists them): the loop writes
+`iteration` (1-based, the record's counter on both sides) and `time_iteration_s`; `unit` only names a step in
+messages ("iteration" / "step").
 
 Save points: `save()`, every `checkpoint.every` steps, at the end of the run, and after the step in progress
 when SIGINT / SIGTERM arrives (flowgrpo.interrupts: the step finishes, every rank saves the same step, the run
@@ -33,7 +37,7 @@ from ..config import ConfigError, dump_config
 from ..distributed import Distributed
 from ..guards import NonFiniteGuard
 from ..interrupts import StopRequest
-from ..metrics import MetricsWriter, truncate_metrics
+from ..metrics import COUNTER_KEY, TIME_KEY, MetricsWriter, truncate_metrics
 from ..process import prepare_process
 from .config import CheckpointConfig
 from .optim import OptimizerStep
@@ -51,7 +55,7 @@ class CheckpointParts:
 
 
 class RunLoop:
-    """The shared loop. Subclasses set `unit` (the record key counting steps), `resume_free` (config keys that
+    """The shared loop. Subclasses set `unit` (a step's name in messages), `resume_free` (config keys that
     may change across a resume), `nan_reward_is_missing` (NaN rewards mean "not applicable", not a failed
     score), `optimizer`, `scheduler` and `optimizer_step`."""
 
@@ -120,13 +124,13 @@ class RunLoop:
 
     def train_step(self) -> dict[str, Any]:
         t_step = time.perf_counter()
-        record: dict[str, Any] = {self.unit: self.step + 1, "lr": self.optimizer.param_groups[0]["lr"]}
+        record: dict[str, Any] = {COUNTER_KEY: self.step + 1, "lr": self.optimizer.param_groups[0]["lr"]}
         self.iterate(record)
         self.scheduler.step()
         self.step += 1
         # a NaN weight stops the run before anything saves it; warns, stops after guards.max_bad_updates bad steps
         self.guard.end_update(record, self.step, self.optimizer_step.params)
-        record[f"time_{self.unit}_s"] = time.perf_counter() - t_step
+        record[TIME_KEY] = time.perf_counter() - t_step
         return record
 
     # --- checkpoints -----------------------------------------------------------------------------------
@@ -185,7 +189,7 @@ class RunLoop:
         if main:
             dump_config(cfg, self.out / "config.yaml")
             if self.step > 0:  # records written after the checkpoint this run resumed from
-                truncate_metrics(metrics_path, self.step, self.unit)
+                truncate_metrics(metrics_path, self.step, COUNTER_KEY)
         end = self.total_steps if cfg.stop_after is None else min(self.total_steps, cfg.stop_after)
         history: list[dict[str, Any]] = []
         if self.step == 0 and main:

@@ -7,6 +7,7 @@ gradients, EMA. The run's `NonFiniteGuard` refuses a NaN / inf gradient here, so
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -31,9 +32,17 @@ def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
 
 
+@dataclass(frozen=True)
+class ScheduledOptimizer:
+    """AdamW over the trained parameters and its learning-rate schedule."""
+
+    optimizer: torch.optim.AdamW
+    scheduler: torch.optim.lr_scheduler.LambdaLR  # stepped once per training step
+
+
 def build_optimizer(
     params: list[torch.nn.Parameter], cfg: OptimConfig, total_steps: int, *, fused: bool
-) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+) -> ScheduledOptimizer:
     """AdamW over `params` and its schedule (stepped once per training step; its state is plain numbers).
 
     `fused`: torch's one-pass kernel where it has one (about 2x faster on CPU for many small tensors; TRL and
@@ -48,7 +57,7 @@ def build_optimizer(
         params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, fused=fused or None
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, max(total_steps, 1)))
-    return optimizer, scheduler
+    return ScheduledOptimizer(optimizer, scheduler)
 
 
 class OptimizerStep:

@@ -25,6 +25,8 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
+from flowgrpo.atomic_io import fsync_dir, fsync_file, from_json, to_json
+
 # The transformer blocks of the models we train: SD3 / SD3.5 (MMDiT), FLUX.1 (double and single
 # stream), Qwen-Image, and Qwen2 / Qwen2.5 decoder layers (text policies). configs/accelerate/fsdp2.yaml
 # lists the same names.
@@ -192,15 +194,13 @@ def save_sharded(
     """Every rank calls this with the same `path` (a shared folder); each writes its own shards."""
     import torch.distributed.checkpoint as dcp
 
-    from flowgrpo.checkpoint import _to_json
-
     path = Path(path)
     state = sharded_state(model, optimizer, trainable_only)
     dcp.save(
         state.tensors, storage_writer=dcp.HuggingFaceStorageWriter(str(path), save_distributed=True), no_dist=_no_dist()
     )
     if optimizer is not None and (_no_dist() or dist.get_rank() == 0):
-        (path / _PARAM_GROUPS).write_text(json.dumps(_to_json(state.param_groups), indent=1))
+        (path / _PARAM_GROUPS).write_text(json.dumps(to_json(state.param_groups), indent=1))
     if not _no_dist():
         dist.barrier()  # the folder is complete on every rank before anyone renames or reads it
 
@@ -219,8 +219,6 @@ def load_sharded(
         set_optimizer_state_dict,
     )
 
-    from flowgrpo.checkpoint import _from_json
-
     path = Path(path)
     if not path.is_dir() or not any(path.glob("*.safetensors")):
         raise ShardingError(f"{path} holds no sharded checkpoint (*.safetensors)")
@@ -238,7 +236,7 @@ def load_sharded(
         groups_file = path / _PARAM_GROUPS
         if not groups_file.is_file():
             raise ShardingError(f"{path} has no optimizer param groups ({_PARAM_GROUPS})")
-        groups = _from_json(json.loads(groups_file.read_text()))
+        groups = from_json(json.loads(groups_file.read_text()))
         by_param: dict[str, dict[str, torch.Tensor]] = {}
         for key, value in state.tensors.items():
             if key.startswith(_OPTIM):
@@ -267,8 +265,6 @@ def save_sharded_atomic(
     """`save_sharded` into a hidden folder next to `target`, then rank 0 fsyncs it and renames it into
     place: a crash mid-save leaves no half-written `target`. Every rank calls it with the same
     `target`, on a file system all ranks share."""
-    from flowgrpo.checkpoint import _fsync_dir
-
     target = Path(target)
     tmp = target.with_name(f".tmp-{target.name}")  # the same name on every rank, no broadcast needed
     if _rank0():
@@ -279,13 +275,12 @@ def save_sharded_atomic(
     save_sharded(tmp, model, optimizer, trainable_only)  # ends with a barrier: every shard is written
     if _rank0():
         for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        _fsync_dir(tmp)
+            fsync_file(f)
+        fsync_dir(tmp)
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
     _barrier()
     return target
 

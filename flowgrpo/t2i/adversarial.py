@@ -1,7 +1,7 @@
 """Adv-GRPO (the `adversarial` method wrapper): a trained reward learns reference images (real) from rollouts (fake).
 
 `AdversarialAlternation` wraps the configured method and builds one `Discriminator` around the scorer named by `adversarial.reward` (it must be
-trainable: `hinge_loss(real, fake) -> (loss, metrics)`, `trainable_parameters()` and
+trainable: `hinge_loss(real, fake) -> HingeLoss(loss, metrics)`, `trainable_parameters()` and
 `state_tensors()` / `load_state_tensors()`, e.g. `dino_discriminator`). On iterations with (it + 1) % d_times != 0 the discriminator trains (one Adam
 step on the hinge loss, the iteration's rollout images as fakes, as many references drawn at
 random as reals) and the policy does not; on the others the policy trains on the discriminator's
@@ -119,9 +119,9 @@ class Discriminator:
         if group_size and images.shape[0] % int(group_size):
             raise ValueError(f"{images.shape[0]} images are not whole groups of {group_size}")
         real = self.sample_references(images.shape[0]).to(images.device)
-        loss, metrics = self.scorer.hinge_loss(real, images.detach())
+        hinge = self.scorer.hinge_loss(real, images.detach())
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        hinge.loss.backward()
         if self.dist.active:
             self.dist.all_reduce_grads(self.params)  # summed over ranks: average them
             for p in self.params:
@@ -132,7 +132,7 @@ class Discriminator:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.updates += 1
-        out = {f"adversarial/{k}": float(v) for k, v in metrics.items()}
+        out = {f"adversarial/{k}": float(v) for k, v in hinge.metrics.items()}
         out.update(
             {
                 "adversarial/d_update": 1,

@@ -9,13 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterable, Literal, Optional
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from ..config import load_config, output_dir_problem
 from ..guards import GuardConfig
 from ..core import AdvantageConfig, LossConfig, PartSpec, StrictModel
 from ..core.advantages import ESTIMATORS
 from ..run.config import CheckpointConfig, EMAConfig, OptimConfig, RatioCheckConfig
+from .methods import METHODS, method_class
 from pipelines.plans import PLANS
 from pipelines.sampler import SamplerConfig
 from pipelines.speed import SpeedConfig
@@ -155,7 +156,17 @@ class ArtifactsConfig(StrictModel):
     tensorboard: bool = True
     wandb: bool = False
     wandb_project: str = "flowgrpo"
-    save_lora: bool = True  # final LoRA in diffusers format (load_lora_weights reads it)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "save_lora" in data:
+            raise ValueError(
+                "artifacts.save_lora was removed: the final LoRA (`lora/`, `lora_ema/`) is written when "
+                "checkpoint.save_final_model is true (the one switch of both trainers); set "
+                "checkpoint.save_final_model=false to skip it"
+            )
+        return data
 
 
 class T2IConfig(StrictModel):
@@ -163,7 +174,7 @@ class T2IConfig(StrictModel):
     output_dir: str = "outputs/t2i"
     iterations: int = Field(20, ge=0)
     stop_after: Optional[int] = None  # stop here as if interrupted; resume continues to `iterations`
-    method: Literal["grpo", "nft"] = "grpo"
+    method: str = "grpo"  # a registered method (flowgrpo.t2i.methods.METHODS): grpo, nft
     model: ModelConfig = Field(default_factory=lambda: ModelConfig(tiny=True))
     data: DataConfig = Field(default_factory=lambda: DataConfig(prompts=["a photo of a cat"]))
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
@@ -191,6 +202,12 @@ class T2IConfig(StrictModel):
     num_threads: Optional[int] = None
     deterministic: bool = False
 
+    @field_validator("method")
+    @classmethod
+    def _registered_method(cls, name: str) -> str:
+        METHODS.get(name)  # an unknown name fails with the valid ones
+        return name
+
     @model_validator(mode="after")
     def _combinations(self) -> "T2IConfig":
         self.plan.check(PLANS)
@@ -213,10 +230,6 @@ class T2IConfig(StrictModel):
         level = "per-step rewards" if "step_rewards" in needs.requires else "node rewards"
         if needs.plan and plan != needs.plan:
             raise ValueError(f"advantage estimator '{est}' needs {level} from the '{needs.plan}' plan, not '{plan}'")
-        readers = [n for n in ESTIMATORS.names() if ESTIMATORS.get(n).plan == plan]
-        if readers and needs.plan != plan and self.method == "grpo":
-            kind = "node-level" if plan == "tree" else "per-step"
-            raise ValueError(f"plan '{plan}' needs the {kind} estimator {' or '.join(map(repr, readers))}, not '{est}'")
         if (self.edges.depth_pruning or self.edges.width_pruning) and plan != "tree":
             raise ValueError("edges: depth / width pruning are BranchGRPO options for the 'tree' plan")
         if self.plan.settings.get("post_compress") is not None and self.sampler.schedule.name != "time_shift":
@@ -226,11 +239,13 @@ class T2IConfig(StrictModel):
             )
         if self.edges.exclude_last and self.edges.per_sample_fraction is None:
             raise ValueError("edges.exclude_last belongs to the per-sample step subsets: set per_sample_fraction")
+        method = method_class(self.method)
         if self.edges.per_sample_fraction is not None and (
-            needs.plan or plan not in ("full_sde", "window") or est == "tree_depth" or self.method != "grpo"
+            needs.plan or plan not in ("full_sde", "window") or not method.per_sample_steps
         ):
+            pickers = " or ".join(n for n in METHODS.names() if method_class(n).per_sample_steps)
             raise ValueError(
-                "edges.per_sample_fraction picks steps per final sample: it needs method grpo, a "
+                f"edges.per_sample_fraction picks steps per final sample: it needs method {pickers}, a "
                 f"chain plan (full_sde, window) and a sample-level estimator, not plan '{plan}' "
                 f"with estimator '{est}'"
             )
@@ -240,13 +255,7 @@ class T2IConfig(StrictModel):
                     f"loss.{part} '{getattr(self.loss, part).name}' treats a row as a sequence of "
                     "tokens; image actions are single transitions (use a token-level part)"
                 )
-        if self.method == "nft":
-            if self.model.finetune != "lora":
-                raise ValueError("method 'nft' keeps the old policy as a second LoRA adapter: finetune must be 'lora'")
-            if plan not in ("ode_only", "full_sde", "window"):
-                raise ValueError(f"method 'nft' trains on clean samples only; plan '{plan}' has no meaning for it")
-            if self.sampler.cfg_mode != "none":
-                raise ValueError("method 'nft' is CFG-free: set sampler.cfg_mode none")
+        method.check_config(self)  # the method's own rules, registered with it
         size = self.sampler.share_noise_size
         if size is not None and plan in ("full_sde", "window", "ode_only") and self.group_size % size:
             raise ValueError(

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..core import LossNormalizer
+from ..core.advantages import ESTIMATORS
 from ..metrics import LossMetrics
 from ..run.ratio_check import FirstPassCheck
 from .credit import assign_credit
@@ -42,6 +43,8 @@ def edge_order(n: int, seed: int, step: int, epoch: int, shuffle: bool) -> torch
 class GRPOMethod(Method):
     """Flow-GRPO's clipped surrogate (any flowgrpo.core loss preset) over re-scored edges."""
 
+    per_sample_steps = True
+
     def __init__(self, trainer: T2ITrainer) -> None:
         super().__init__(trainer)
         self.objective = EdgeObjective(trainer.sampler, trainer.cfg.loss, trainer.reference)
@@ -49,6 +52,15 @@ class GRPOMethod(Method):
     @staticmethod
     def needs_reference(cfg: T2IConfig) -> bool:
         return cfg.loss.kl.coef != 0
+
+    @staticmethod
+    def check_config(cfg: T2IConfig) -> None:
+        """A plan whose rewards only some estimators read (their registered `plan`) trains with one of them."""
+        est, plan = cfg.advantage.estimator.name, cfg.plan.name
+        readers = [n for n in ESTIMATORS.names() if ESTIMATORS.get(n).plan == plan]
+        if readers and ESTIMATORS.get(est).plan != plan:
+            kind = "node-level" if plan == "tree" else "per-step"
+            raise ValueError(f"plan '{plan}' needs the {kind} estimator {' or '.join(map(repr, readers))}, not '{est}'")
 
     def update(self, rollout: ScoredRollout, record: dict[str, Any]) -> None:
         t = self.trainer
@@ -69,13 +81,13 @@ class GRPOMethod(Method):
                 norm = t.dist.reduce_normalizer(LossNormalizer.from_inputs(part.inputs()))
                 for micro in torch.arange(local_ids.numel()).split(cfg.train.micro_batch_size):
                     rows = part.rows(micro)
-                    out, logp = self.objective(t.adapter, tree, rows, rollout.prompts, norm)
+                    edge_loss = self.objective(t.adapter, tree, rows, rollout.prompts, norm)
                     if on_policy:
-                        dev = ((logp.float().cpu() - rows.logp_old).exp() - 1).abs().max()
+                        dev = ((edge_loss.logp.float().cpu() - rows.logp_old).exp() - 1).abs().max()
                         check.observe(float(dev), micro.numel())
-                    out.loss.backward()
+                    edge_loss.output.loss.backward()
                     backwards += 1
-                    metrics.add(out.metrics, micro.numel())
+                    metrics.add(edge_loss.output.metrics, micro.numel())
                 t.optimizer_step()
                 on_policy = False
         if t.dist.active:  # every rank's micro-batches, so the record describes the global batch

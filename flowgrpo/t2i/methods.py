@@ -4,7 +4,8 @@ A method decides which weights sample the rollout and how one training step turn
 optimizer steps. `method: grpo` (the clipped objective over re-scored edges, flowgrpo/t2i/grpo.py) and
 `method: nft` (DiffusionNFT's forward-process objective, flowgrpo/t2i/nft.py) are entries of METHODS;
 a config section with `enabled: true` whose name is in WRAPPERS wraps the method (Adv-GRPO's
-discriminator alternation, flowgrpo/t2i/adversarial.py).
+discriminator alternation, flowgrpo/t2i/adversarial.py). A method's config rules live with it
+(`Method.check_config`, `Method.per_sample_steps`); the config checks `method` against METHODS' names.
 """
 
 from __future__ import annotations
@@ -47,6 +48,11 @@ class Method:
     """The contract of a method plug-in; the defaults are GRPO's (sample with the current policy)."""
 
     needs_images = False  # the update reads the decoded images
+    per_sample_steps = False  # trains edges picked per final sample: `edges.per_sample_fraction` applies
+
+    @staticmethod
+    def check_config(cfg: T2IConfig) -> None:
+        """This method's own config rules (T2IConfig's cross-checks call them): a ValueError names the problem."""
 
     def __init__(self, trainer: T2ITrainer) -> None:
         self.trainer = trainer

@@ -93,6 +93,15 @@ class NFTMethod(Method):
     def needs_reference(cfg: T2IConfig) -> bool:
         return cfg.nft.kl_coef != 0
 
+    @staticmethod
+    def check_config(cfg: T2IConfig) -> None:
+        if cfg.model.finetune != "lora":
+            raise ValueError("method 'nft' keeps the old policy as a second LoRA adapter: finetune must be 'lora'")
+        if cfg.plan.name not in ("ode_only", "full_sde", "window"):
+            raise ValueError(f"method 'nft' trains on clean samples only; plan '{cfg.plan.name}' has no meaning for it")
+        if cfg.sampler.cfg_mode != "none":
+            raise ValueError("method 'nft' is CFG-free: set sampler.cfg_mode none")
+
     def rollout_policy(self) -> ContextManager[Any]:
         return active_lora(self.trainer.adapter, "old")
 

@@ -12,7 +12,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from ..core import LossConfig, LossInputs, LossNormalizer, mean_sqdist, policy_loss
+from ..core import LossConfig, LossInputs, LossNormalizer, LossOutput, mean_sqdist, policy_loss
 from ..core.losses import KL_ESTIMATORS
 
 
@@ -68,6 +68,14 @@ def edge_batch(tree, edges: Tensor, advantages: Tensor, weights: Tensor) -> Edge
     )
 
 
+@dataclass(frozen=True)
+class EdgeLoss:
+    """The loss of a micro-batch of edges and the log-probs it re-scored them to."""
+
+    output: LossOutput  # policy_loss's result (loss to back-propagate, per-action terms, metrics)
+    logp: Tensor  # [M] log-probs of the edges under the current weights, detached (the on-policy check)
+
+
 class EdgeObjective:
     """policy_loss over edges; `reference` is a context manager giving the KL reference policy."""
 
@@ -80,8 +88,8 @@ class EdgeObjective:
         self.kl_closed_form = loss.kl.coef != 0 and "mean_sqdist_ref" in KL_ESTIMATORS.get(loss.kl.estimator).requires
         self.kl_logp = loss.kl.coef != 0 and not self.kl_closed_form
 
-    def __call__(self, adapter, tree, batch: EdgeBatch, prompts: list[str], norm: LossNormalizer):
-        """(LossOutput, logp_new detached)."""
+    def __call__(self, adapter, tree, batch: EdgeBatch, prompts: list[str], norm: LossNormalizer) -> EdgeLoss:
+        """Re-score the edges of `batch` under `adapter` and their policy loss."""
         edges = batch.edges
         out = self.sampler.rescore(adapter, tree, edges, prompts)
         extra: dict[str, Optional[Tensor]] = {}
@@ -99,4 +107,4 @@ class EdgeObjective:
             *(getattr(batch, f).to(dev) for f in ("edges", "advantages", "weights", "logp_old", "std", "dt"))
         )
         inputs = moved.inputs(out.logp.float(), **extra)
-        return policy_loss(inputs, self.loss, norm), out.logp.detach()
+        return EdgeLoss(policy_loss(inputs, self.loss, norm), out.logp.detach())

@@ -100,7 +100,7 @@ class RewardStage:
                 for k, v in out.items():
                     if k != scorer.key:
                         v = v.detach().float()
-                        extras[f"reward/{label}/{k[len(scorer.key) + 1 :]}"] = (
+                        extras[f"rewards/{label}/{k[len(scorer.key) + 1 :]}"] = (
                             float(v[torch.isfinite(v)].mean()) if bool(torch.isfinite(v).any()) else float("nan")
                         )
             columns.append(col)

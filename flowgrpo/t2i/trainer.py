@@ -69,10 +69,15 @@ class T2ITrainer(RunLoop):
         from pipelines.sampler import Sampler
 
         self.adapter, self.params = build_policy(cfg.model)
+        try:
+            self.adapter.check_resolution(cfg.sampler.height, cfg.sampler.width)
+        except ValueError as err:
+            raise ConfigError(f"sampler.height / sampler.width: {err}") from None
         self.param_names = [n for n, p in self.adapter.denoiser.named_parameters() if p.requires_grad]
         self.sampler = Sampler(cfg.sampler.model_copy(update={"keep_means": cfg.loss.ratio.name == "ratio_norm"}))
         self.reference = reference_context(self.adapter, cfg.model, method_class(cfg.method).needs_reference(cfg))
-        self.optimizer, self.scheduler = build_optimizer(self.params, cfg.optim, cfg.iterations, fused=False)
+        built = build_optimizer(self.params, cfg.optim, cfg.iterations, fused=False)
+        self.optimizer, self.scheduler = built.optimizer, built.scheduler
         self.ema = build_ema(self.params, cfg.ema)
         self.optimizer_step = OptimizerStep(
             self.params, self.optimizer, cfg.optim.max_grad_norm, self.dist, self.ema, guard=self.guard
@@ -226,7 +231,6 @@ class T2ITrainer(RunLoop):
             for key in ("nfe_nograd", "nfe_grad", "rollout_nfe_nograd", "reward_calls", "backward_passes"):
                 record[key] = type(record[key])(self.dist.sum(record[key]))
         record["images"] = rollout.global_tree.leaves.numel()
-        record["ratio_mean"] = record.get("ratio/mean", math.nan)
         record["peak_memory_mb"] = _peak_memory_mb()
         if rollout.images is not None and self._grid_due():
             artifacts.save_grid(
@@ -318,8 +322,9 @@ class T2ITrainer(RunLoop):
             artifacts.plot_rewards(self.out / "metrics.jsonl", self.out / "reward_curve.png")
 
     def save_final_model(self) -> None:
-        """The LoRA in diffusers format (`lora/`, and the EMA weights' `lora_ema/`); full fine-tuning: none yet."""
-        if self.cfg.artifacts.save_lora and self.cfg.model.finetune == "lora":
+        """`checkpoint.save_final_model`: the LoRA in diffusers format (`lora/`, and the EMA weights'
+        `lora_ema/`); full fine-tuning: none yet."""
+        if self.cfg.model.finetune == "lora":
             if self.ema is not None and self.optimizer_step.total > 0:
                 with self._ema_weights():
                     self.adapter.save_lora(self.out / "lora_ema")

@@ -15,12 +15,21 @@ the two paths are apart for a model (the trainer uses the shared one only when t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from .generation import Rollout
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Per-token log-probs of completions and, when asked for, the policy's entropies there."""
+
+    logp: Tensor  # [n, Tc] log-probs of the completion tokens; zero past each row's width
+    entropy: Optional[Tensor] = None  # [n, Tc] entropies (same padding), None when not computed
 
 
 def _trimmed_inputs(rollout: Rollout, rows: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
@@ -77,7 +86,7 @@ def micro_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = True,
     shared_prompt: bool = False,
-) -> tuple[Tensor, Optional[Tensor]]:
+) -> TokenLogprobs:
     """Log-probs [n, Tc] (and entropies) of the completion tokens of `rows`; zero beyond each micro-batch's width.
 
     Runs with or without grad as the caller's context says; `entropy_grad=False` computes the entropy
@@ -119,7 +128,7 @@ def micro_logprobs(
     logp = torch.nn.functional.pad(logp, pad)
     if entropy is not None:
         entropy = torch.nn.functional.pad(entropy, pad)
-    return logp, entropy
+    return TokenLogprobs(logp, entropy)
 
 
 @torch.no_grad()
@@ -130,26 +139,26 @@ def batch_logprobs(
     batch_size: int,
     with_entropy: bool = False,
     shared_prompt: bool = False,
-) -> tuple[Tensor, Optional[Tensor]]:
+) -> TokenLogprobs:
     """No-grad log-probs [N, Tc] of a whole rollout (old policy, reference), `batch_size` rows at a time."""
     N = rollout.num_sequences
     logps, ents = [], []
     for start in range(0, N, batch_size):
         rows = torch.arange(start, min(start + batch_size, N))
-        lp, ent = micro_logprobs(model, rollout, rows, temperature, with_entropy, shared_prompt=shared_prompt)
-        logps.append(lp)
-        ents.append(ent)
+        part = micro_logprobs(model, rollout, rows, temperature, with_entropy, shared_prompt=shared_prompt)
+        logps.append(part.logp)
+        ents.append(part.entropy)
     logp = torch.cat(logps)
-    return logp, (torch.cat(ents) if with_entropy else None)
+    return TokenLogprobs(logp, torch.cat(ents) if with_entropy else None)
 
 
 @torch.no_grad()
 def shared_prompt_deviation(model, rollout: Rollout, rows: Tensor, temperature: float) -> float:
     """max |log-prob difference| over the completion tokens of `rows` between the shared-prompt and the
     plain forward (inf when the shared path fails for this model)."""
-    plain, _ = micro_logprobs(model, rollout, rows, temperature)
+    plain = micro_logprobs(model, rollout, rows, temperature).logp
     try:
-        shared, _ = micro_logprobs(model, rollout, rows, temperature, shared_prompt=True)
+        shared = micro_logprobs(model, rollout, rows, temperature, shared_prompt=True).logp
     except Exception:  # noqa: BLE001 - a model whose cache cannot be repeated: the plain path it is
         return float("inf")
     mask = rollout.completion_mask[rows].to(plain.device)

@@ -11,6 +11,7 @@ or completions where the two engines disagree too much. See `RolloutCorrectionCo
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -40,10 +41,18 @@ def mismatch_metrics(logp_old: Tensor, logp_rollout: Tensor, mask: Tensor) -> di
     }
 
 
+@dataclass(frozen=True)
+class Correction:
+    """The importance correction of a batch: per-token multipliers of the policy term, and its metrics."""
+
+    weights: Tensor  # [N, T]; 0 = the token leaves the loss
+    metrics: dict[str, float]  # mismatch/{token,sequence}_{clipped,masked}_frac, mismatch/weight_mean
+
+
 @torch.no_grad()
 def correction_weights(
     logp_old: Tensor, logp_rollout: Tensor, mask: Tensor, cfg: RolloutCorrectionConfig
-) -> tuple[Tensor, dict[str, float]]:
+) -> Correction:
     """Per-token multipliers [N, T] for the policy term (0 = the token leaves the loss) and metrics.
 
     Sequence modes use the product of the token weights over the completion (a sum in log space).
@@ -51,7 +60,7 @@ def correction_weights(
     m = mask.bool()
     log_w = torch.where(m, logp_old.float() - logp_rollout.float(), torch.zeros_like(logp_old, dtype=torch.float))
     if cfg.mode == "none":
-        return torch.ones_like(log_w), {}
+        return Correction(torch.ones_like(log_w), {})
     low = cfg.clip_min if cfg.clip_min is not None else 0.0
     high = cfg.clip_max
     if cfg.mode.startswith("sequence"):
@@ -74,4 +83,4 @@ def correction_weights(
     else:
         metrics = {f"mismatch/token_{key}": float(outside[m].float().mean()) if bool(m.any()) else math.nan}
     metrics["mismatch/weight_mean"] = float(out[m].mean()) if bool(m.any()) else math.nan
-    return out, metrics
+    return Correction(out, metrics)

@@ -38,13 +38,13 @@ import torch
 from ..checkpoint import Checkpoint, load_into
 from ..config import ConfigError
 from ..core import LossInputs, LossNormalizer, compute_advantages, policy_loss
-from ..metrics import LossMetrics
+from ..metrics import TIME_KEY, LossMetrics
 from ..run import CheckpointParts, FirstPassCheck, OptimizerStep, PromptSampler, RunLoop, build_optimizer
 from .collect import Collector, ScoredBatch, group_batch
 from .config import TextConfig
 from .data import load_prompts
 from .generation import Rollout, TransformersGenerator, eos_token_ids
-from .logprobs import micro_logprobs, shared_prompt_deviation
+from .logprobs import TokenLogprobs, micro_logprobs, shared_prompt_deviation
 from .models import load_policy, reference_policy, resolve_model_path, trainable_state
 from .rewards import build_rewards
 from .rollout_correction import correction_weights, mismatch_metrics
@@ -112,7 +112,8 @@ class TextGRPOTrainer(RunLoop):
             cfg, self.generator, self.tokenizer, self.data, self.rewards, self.sampler, self.dist
         )
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer, self.scheduler = build_optimizer(self.params, cfg.optim, cfg.steps, fused=True)
+        built = build_optimizer(self.params, cfg.optim, cfg.steps, fused=True)
+        self.optimizer, self.scheduler = built.optimizer, built.scheduler
         self.optimizer_step = OptimizerStep(
             self.params, self.optimizer, cfg.optim.max_grad_norm, self.dist, guard=self.guard
         )
@@ -169,7 +170,7 @@ class TextGRPOTrainer(RunLoop):
     def train_step(self) -> dict[str, Any]:
         record = super().train_step()
         tokens = record.get("tokens/generated", 0)
-        record["tokens/per_second"] = tokens / max(record["time_step_s"], 1e-9)
+        record["tokens/per_second"] = tokens / max(record[TIME_KEY], 1e-9)
         return record
 
     def iterate(self, record: dict[str, Any]) -> None:
@@ -181,7 +182,8 @@ class TextGRPOTrainer(RunLoop):
             return
         values = self.guard.rewards(record, batch.scores.values)  # +-inf -> NaN (left out like None), counted
         batch = replace(batch, scores=replace(batch.scores, values=values))
-        counts = {"count/forward_nograd": 0, "count/forward_grad": 0, "backward_passes": 0}
+        # rows (sequences) through the model without / with gradient, and backward calls: the image side's names
+        counts = {"nfe_nograd": 0, "nfe_grad": 0, "backward_passes": 0}
         t0 = time.perf_counter()
         prepared = self._prepare(batch, record, counts)
         record["time_logprob_s"] = time.perf_counter() - t0
@@ -226,16 +228,17 @@ class TextGRPOTrainer(RunLoop):
         check = cfg.ratio_check.enabled
         corrected = rollout.rollout_logp is not None
         if self._needs_old_logp() or corrected or (check and cfg.ratio_check.rows is None):
-            logp_old, entropy = self._all_logprobs(self.model, rollout, shared, counts, with_entropy=True)
+            old = self._all_logprobs(self.model, rollout, shared, counts, with_entropy=True)
+            logp_old, entropy = old.logp, old.entropy
         if self.use_kl:
             with self.reference() as ref_model:
-                logp_ref, _ = self._all_logprobs(ref_model, rollout, shared, counts)
+                logp_ref = self._all_logprobs(ref_model, rollout, shared, counts).logp
         if corrected:
             # the sampler's log-probs against the training forward's, and the importance weights
             record.update(mismatch_metrics(logp_old, rollout.rollout_logp, mask))
-            weights, corr_metrics = correction_weights(logp_old, rollout.rollout_logp, mask, cfg.rollout_correction)
-            record.update(corr_metrics)
-            sample_weight = sample_weight * weights
+            correction = correction_weights(logp_old, rollout.rollout_logp, mask, cfg.rollout_correction)
+            record.update(correction.metrics)
+            sample_weight = sample_weight * correction.weights
         live = (mask & (sample_weight > 0)).any(1)
         if self._skip_zero_advantage():
             live &= advantages != 0
@@ -251,10 +254,10 @@ class TextGRPOTrainer(RunLoop):
             check_rows = mine[0][: cfg.ratio_check.rows] if mine else torch.zeros(0, dtype=torch.long)
             if check_rows.numel():
                 with torch.no_grad():
-                    check_logp, _ = micro_logprobs(
+                    check_logp = micro_logprobs(
                         self.model, rollout, check_rows, cfg.generation.temperature, shared_prompt=shared
-                    )
-                counts["count/forward_nograd"] += 1
+                    ).logp
+                counts["nfe_nograd"] += check_rows.numel()
             checked_at[check_rows] = torch.arange(check_rows.numel())
         dev = self.device
         full = LossInputs(
@@ -286,7 +289,7 @@ class TextGRPOTrainer(RunLoop):
                         continue
                     # entropy: for the loss (with grad), or as a metric of the first pass when no old pass gave it
                     ent_metric = batch.entropy is None and it == 0
-                    logp, ent = micro_logprobs(
+                    scored = micro_logprobs(
                         self.model,
                         batch.rollout,
                         micro,
@@ -295,7 +298,8 @@ class TextGRPOTrainer(RunLoop):
                         entropy_grad=bool(cfg.loss.entropy_coef),
                         shared_prompt=shared,
                     )
-                    counts["count/forward_grad"] += 1
+                    logp, ent = scored.logp, scored.entropy
+                    counts["nfe_grad"] += micro.numel()
                     m = full.mask[micro]
                     if ent_metric:
                         ent_sum += float(ent.detach()[m].sum())
@@ -338,7 +342,7 @@ class TextGRPOTrainer(RunLoop):
         deviation = (
             shared_prompt_deviation(self.model, rollout, rows, self.cfg.generation.temperature) if shares else math.inf
         )
-        counts["count/forward_nograd"] += 2 if shares else 0  # once per run: plain + shared pass
+        counts["nfe_nograd"] += 2 * rows.numel() if shares else 0  # once per run: plain + shared pass
         deviation = self.dist.max(deviation)  # every rank decides the same
         self.shared_prompt = deviation <= self.cfg.ratio_check.tolerance / 10
         record["check/shared_prompt_deviation"] = deviation
@@ -365,7 +369,7 @@ class TextGRPOTrainer(RunLoop):
 
     def _all_logprobs(
         self, model: Any, rollout: Rollout, shared: bool, counts: dict[str, int], with_entropy: bool = False
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    ) -> TokenLogprobs:
         """No-grad log-probs (and entropies) [N, Tc] of the whole rollout on CPU: row block b of
         `logprob_batch_size` sequences on rank b % world_size, gathered on every rank."""
         size = self.cfg.train.logprob_batch_size or self.cfg.train.micro_batch_size
@@ -374,14 +378,15 @@ class TextGRPOTrainer(RunLoop):
         local = []
         with torch.no_grad():
             for b in self.dist.my_chunks(len(blocks)):
-                lp, ent = micro_logprobs(
+                scored = micro_logprobs(
                     model, rollout, blocks[b], self.cfg.generation.temperature, with_entropy, shared_prompt=shared
                 )
-                local.append((b, lp.cpu(), None if ent is None else ent.cpu()))
-        counts["count/forward_nograd"] += len(local)
+                ent = scored.entropy
+                local.append((b, scored.logp.cpu(), None if ent is None else ent.cpu()))
+        counts["nfe_nograd"] += sum(lp.shape[0] for _, lp, _ in local)
         parts = sorted(self.dist.gather_objects(local), key=lambda item: item[0])
         logp = torch.cat([lp for _, lp, _ in parts])
-        return logp, (torch.cat([e for _, _, e in parts]) if with_entropy else None)
+        return TokenLogprobs(logp, torch.cat([e for _, _, e in parts]) if with_entropy else None)
 
     @staticmethod
     def _first_pass_deviation(

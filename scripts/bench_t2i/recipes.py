@@ -38,7 +38,7 @@ def quiet_overrides(out_dir: Path, threads: int, iterations: int) -> list[str]:
         "progress=false",
         "artifacts.tensorboard=false",
         "artifacts.plot=false",
-        "artifacts.save_lora=false",
+        "checkpoint.save_final_model=false",
         "eval.every=0",
         f"num_threads={threads}",
         f"iterations={iterations}",

@@ -386,7 +386,7 @@ def test_invariant_mc_grpo_pivot_has_zero_weight_and_advantage(G):
 def test_invariant_ngrpo_all_zero_group_of_eight():
     out = run([[0.0] * 8, [1.0, 0, 0, 0, 1, 1, 0, 1]], None, "ngrpo")
     close(out.advantages[0], [-1.0 / 3.0] * 8, rtol=1e-5, atol=1e-5)
-    # mu' = 1/9, sigma' = 1/3 exactly (notes example)
+    # mu' = 1/9, sigma' = 1/3 exactly (NGRPO's example: G = 8 all-wrong gives A = -1/3; nangongrui-ngr/NGRPO)
     assert float(out.advantages[0, 0]) == pytest.approx((0 - 1 / 9) / (1 / 3 + 1e-6), rel=1e-6)
 
 

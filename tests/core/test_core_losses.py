@@ -626,7 +626,8 @@ def test_loss_inputs_shapes_are_checked():
 
 
 def test_dcpo_bounds_widen_for_rare_tokens():
-    """Notes 2.3: at q = 0.01 the new probability may reach 0.05 (upper ratio 5); at q = 0.9 about [0.69, 1.07] q."""
+    """DCPO (lime-RL/DCPO README; bounds from |(r - 1) p| <= eps): at q = 0.01 the new probability may reach
+    0.05 (upper ratio 5); at q = 0.9 about [0.69, 1.07] q."""
     from flowgrpo.core.losses import LossContext, dcpo
 
     old = torch.log(torch.tensor([[0.01, 0.9]]))

@@ -19,7 +19,7 @@ def run(recipe: str, out: Path, *overrides: str) -> list[dict]:
             "progress=false",
             "artifacts.tensorboard=false",
             "artifacts.plot=false",
-            "artifacts.save_lora=false",
+            "checkpoint.save_final_model=false",
             *overrides,
         ],
     )

@@ -11,6 +11,7 @@ from flowgrpo.t2i.adversarial import Discriminator, load_reference_folder, synth
 from flowgrpo.t2i.config import AdversarialConfig
 from flowgrpo.t2i.data import PromptSet
 from reward_models import build_scorer
+from reward_models.adversarial import HingeLoss
 
 SIZE = (16, 16)
 G = 4
@@ -45,7 +46,7 @@ class MeanColourScorer(torch.nn.Module):
     def hinge_loss(self, real, fake):
         h_real, h_fake = self.head(real.mean((2, 3))), self.head(fake.mean((2, 3)))
         loss = 0.5 * (torch.relu(1 - h_real).mean() + torch.relu(1 + h_fake).mean())
-        return loss, {"d_loss": float(loss.detach())}
+        return HingeLoss(loss, {"d_loss": float(loss.detach())})
 
     def state_tensors(self):
         return dict(self.head.state_dict())

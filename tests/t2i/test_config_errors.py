@@ -26,6 +26,9 @@ def _load(*overrides, recipe="flow_grpo"):
         (["loss.ratio=sequence"], "image actions are single transitions"),
         (["edges.width_pruning=0.5"], "pruning are BranchGRPO options"),
         (["method=nft", "sampler.cfg_mode=full"], "CFG-free"),
+        (["method=grpoo"], r"unknown method 'grpoo'.*valid names: \['grpo', 'nft'\]"),
+        (["method=nft", "model.finetune=full"], "finetune must be 'lora'"),
+        (["edges.per_sample_fraction=0.5", "method=nft"], "it needs method grpo"),
         (["model.finetune=full", "model.dtype=bfloat16"], "float32 master weights"),
         (["model.tiny=false"], "exactly one of `pretrained"),
         (["prompts_per_iteration=3", "rollout_prompts=2"], "multiple of rollout_prompts"),
@@ -35,6 +38,7 @@ def _load(*overrides, recipe="flow_grpo"):
         (["sampler.share_noise_size=4"], "needs share_noise: true"),
         (["ema.updates_per_step=2"], "set schedule: flow_grpo"),
         (["ema={schedule: flow_grpo, count_idle_iterations: true}"], "needs adversarial.enabled"),
+        (["artifacts.save_lora=false"], "checkpoint.save_final_model"),
     ],
 )
 def test_bad_config_names_the_problem(overrides, message):

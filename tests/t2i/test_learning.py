@@ -38,9 +38,9 @@ def test_recipe_learns(recipe, tmp_path):
     assert m["gain"] > MARGIN * m["noise"] and m["gain"] > 0, m
 
 
-# The mechanisms the published FLUX runs need (issue 12), together on the tiny DanceGRPO recipe: the
-# sd3_time_shift grid with integer-timestep conditioning, images decoded from the last x0 prediction,
-# and each sample training its own random 60 % of the steps but the last.
+# The mechanisms the published FLUX runs (DanceGRPO, MixGRPO, BranchGRPO, Pref-GRPO) need, together on
+# the tiny DanceGRPO recipe: the sd3_time_shift grid with integer-timestep conditioning, images decoded
+# from the last x0 prediction, and each sample training its own random 60 % of the steps but the last.
 PUBLISHED_FLUX = (
     "sampler.schedule={name: time_shift, shift: 3.0, integer_timesteps: true}",
     "sampler.decode=last_x0",

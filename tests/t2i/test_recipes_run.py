@@ -16,7 +16,7 @@ KEYS = [
     "reward_std",
     "adv/mean",
     "adv/std",
-    "ratio_mean",
+    "time_iteration_s",
     "nfe_nograd",
     "nfe_grad",
     "backward_passes",
@@ -27,7 +27,15 @@ KEYS = [
     "peak_memory_mb",
     "images",
 ]
-GRPO_KEYS = ["approx_kl", "clip/frac", "clip/low_frac", "clip/high_frac", "check/first_pass_ratio_dev", "edges/trained"]
+GRPO_KEYS = [
+    "approx_kl",
+    "ratio/mean",
+    "clip/frac",
+    "clip/low_frac",
+    "clip/high_frac",
+    "check/first_pass_ratio_dev",
+    "edges/trained",
+]
 
 
 def test_all_fourteen_recipes_are_here():

@@ -8,6 +8,7 @@ per-step std within a control run 0.002-0.004). The test asserts a margin of 0.5
 control's own per-step noise; the measured margin is about 0.97, i.e. ~250 x that noise.
 """
 
+import dataclasses
 import math
 import statistics
 import warnings
@@ -19,6 +20,7 @@ from flowgrpo.text import OnPolicyRatioWarning, train_text
 
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "text" / "tiny_pattern.yaml"
+SHARED_ROWS = 8  # tiny_pattern's first micro-batch: the rows of the shared-prompt vs plain forward comparison
 
 
 def _last(history, k=5):
@@ -89,8 +91,8 @@ def test_ratio_check_warns_loudly_when_off_policy(tiny_config, monkeypatch):
     real = trainer_mod.TextGRPOTrainer._all_logprobs
 
     def shifted(*args, **kwargs):
-        logp, ent = real(*args, **kwargs)
-        return logp + 0.01, ent
+        out = real(*args, **kwargs)
+        return dataclasses.replace(out, logp=out.logp + 0.01)
 
     monkeypatch.setattr(trainer_mod.TextGRPOTrainer, "_all_logprobs", shifted)
     with pytest.warns(OnPolicyRatioWarning, match="ON-POLICY CHECK FAILED"):
@@ -106,15 +108,16 @@ def test_one_update_per_batch_checks_a_few_rows_cheaply(tiny_config):
     history = train_text(tiny_config(*common, name="few"))
     assert history[0]["check/shared_prompt_deviation"] < 1e-5 and history[0]["train/shared_prompt"] == 1
     for r in history:  # step 1 also compares the shared-prompt forward with the plain one (2 passes)
-        assert r["count/forward_nograd"] == 1 + 2 * (r["step"] == 1) and r["check/rows"] == 2
+        # rows through the model without gradient: the 2 check rows, and on step 1 the shared-prompt comparison
+        assert r["nfe_nograd"] == 2 + 2 * SHARED_ROWS * (r["iteration"] == 1) and r["check/rows"] == 2
         assert r["check/first_pass_ratio_dev"] <= 1e-5 and math.isfinite(r["entropy/mean"])
     every = train_text(tiny_config(*common, "ratio_check.rows=null", name="all"))
-    assert every[1]["count/forward_nograd"] == 2 and every[0]["check/rows"] > 2  # every trained row
+    assert every[1]["nfe_nograd"] == 2 * 8 and every[0]["check/rows"] > 2  # the old pass: all 2 x 8 sequences
     # the same weights, data and samples: only the check differs, so the training is the same
     assert [r["reward_mean"] for r in every] == [r["reward_mean"] for r in history]
     assert every[0]["entropy/mean"] == pytest.approx(history[0]["entropy/mean"], rel=1e-5)
     off = train_text(tiny_config(*common, "ratio_check.enabled=false", name="off"))
-    assert off[1]["count/forward_nograd"] == 0 and "check/first_pass_ratio_dev" not in off[0]
+    assert off[1]["nfe_nograd"] == 0 and "check/first_pass_ratio_dev" not in off[0]
     assert [r["reward_mean"] for r in off] == [r["reward_mean"] for r in history]
 
 
@@ -127,8 +130,8 @@ def test_cheap_check_still_catches_an_off_policy_rescoring(tiny_config, monkeypa
     real = trainer_mod.micro_logprobs
 
     def shifted(*args, **kwargs):
-        logp, ent = real(*args, **kwargs)
-        return (logp if torch.is_grad_enabled() else logp + 0.01), ent
+        scored = real(*args, **kwargs)
+        return scored if torch.is_grad_enabled() else dataclasses.replace(scored, logp=scored.logp + 0.01)
 
     monkeypatch.setattr(trainer_mod, "micro_logprobs", shifted)
     with pytest.warns(OnPolicyRatioWarning, match="ON-POLICY CHECK FAILED"):

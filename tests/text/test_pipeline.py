@@ -133,7 +133,7 @@ def test_recomputed_logprobs_match_generate_and_ignore_padding(tiny):
     comp = out.sequences[:, 11:]
     mask, trunc = completion_mask(comp, [256])
     r = Rollout(ids, att, torch.where(mask, comp, 256), mask, trunc, torch.arange(2), 1)
-    logp, _ = batch_logprobs(model, r, 0.8, batch_size=2)
+    logp = batch_logprobs(model, r, 0.8, batch_size=2).logp
     sampled = torch.log_softmax(torch.stack(out.logits, 1).float() / 0.8, -1).gather(-1, comp.unsqueeze(-1))[..., 0]
     assert torch.allclose(logp[mask], sampled[mask], atol=1e-5)
     # each row alone (no padding at all) gives the same log-probs
@@ -147,7 +147,7 @@ def test_recomputed_logprobs_match_generate_and_ignore_padding(tiny):
             torch.arange(1),
             1,
         )
-        lp, _ = micro_logprobs(model, alone, torch.arange(1), 0.8)
+        lp = micro_logprobs(model, alone, torch.arange(1), 0.8).logp
         assert torch.allclose(lp[0][mask[i]], logp[i][mask[i]], atol=1e-5)
 
 

@@ -59,18 +59,18 @@ def test_stop_and_resume_in_new_trainer_is_bit_identical(tiny_config, extra):
 
     part = tiny_config(*COMMON, *extra, "stop_after=3", name="interrupted")
     first = train_text(part)
-    assert [r["step"] for r in first] == [1, 2, 3]
+    assert [r["iteration"] for r in first] == [1, 2, 3]
     assert latest_checkpoint(Path(part.output_dir) / "checkpoints").name == "step_00000003"
     torch.manual_seed(12345)  # a resumed process starts from an unrelated RNG state
     resumed = TextGRPOTrainer(tiny_config(*COMMON, *extra, "resume=true", name="interrupted"))
     assert resumed.step == 3
     rest = resumed.train()
-    assert [r["step"] for r in rest] == [4, 5, 6]
+    assert [r["iteration"] for r in rest] == [4, 5, 6]
 
     _assert_identical(_final_tensors(Path(ref.output_dir)), _final_tensors(Path(part.output_dir)))
     rewards = [r["reward_mean"] for r in full]
     assert [r["reward_mean"] for r in first + rest] == rewards
-    assert [r["step"] for r in read_metrics(Path(part.output_dir) / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+    assert [r["iteration"] for r in read_metrics(Path(part.output_dir) / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
 
 
 def test_resume_without_checkpoint_starts_fresh(tiny_config):
@@ -97,5 +97,5 @@ def test_sigkill_after_checkpoint_then_resume_is_bit_identical(tiny_config, tmp_
     reference = tiny_config(*overrides, name="reference")
     train_text(reference)
     _assert_identical(_final_tensors(Path(reference.output_dir)), _final_tensors(run_dir))
-    steps = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")]
+    steps = [r["iteration"] for r in read_metrics(run_dir / "metrics.jsonl")]
     assert steps == list(range(1, 9))

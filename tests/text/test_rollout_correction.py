@@ -21,7 +21,9 @@ LOG_W = (OLD - ROLL) * MASK  # [[0, 1, -0.3], [-0.1, -0.2, 0]]
 
 
 def weights(mode, **kw):
-    return correction_weights(OLD, ROLL, MASK, RolloutCorrectionConfig(mode=mode, **kw))
+    """(weights, metrics) of a mode on the batch above."""
+    correction = correction_weights(OLD, ROLL, MASK, RolloutCorrectionConfig(mode=mode, **kw))
+    return correction.weights, correction.metrics
 
 
 def test_token_truncate_clips_each_token_weight():
@@ -74,7 +76,7 @@ def test_recorded_sampler_logprobs_equal_the_training_forward(settings):
     rollout = TransformersGenerator(model, tok, cfg).generate([[72, 105], [65, 66, 67, 68]], [0, 1], seed=5)
     assert rollout.rollout_logp is not None and rollout.rollout_logp.shape == rollout.completion_ids.shape
     with torch.no_grad():
-        logp, _ = micro_logprobs(model, rollout, torch.arange(rollout.num_sequences), cfg.temperature)
+        logp = micro_logprobs(model, rollout, torch.arange(rollout.num_sequences), cfg.temperature).logp
     m = rollout.completion_mask
     torch.testing.assert_close(rollout.rollout_logp[m], logp[m], atol=1e-5, rtol=0)
     assert bool((rollout.rollout_logp[~m] == 0).all())

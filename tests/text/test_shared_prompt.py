@@ -59,7 +59,8 @@ def test_shared_prompt_forward_equals_plain_forward_and_grads(family):
     grads, outs = [], []
     for shared in (False, True):
         model.zero_grad(set_to_none=True)
-        logp, ent = micro_logprobs(model, r, rows, 0.7, with_entropy=True, shared_prompt=shared)
+        scored = micro_logprobs(model, r, rows, 0.7, with_entropy=True, shared_prompt=shared)
+        logp, ent = scored.logp, scored.entropy
         (logp * mask).sum().backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad]))
         outs.append((logp.detach(), ent.detach()))

@@ -40,7 +40,7 @@ def test_smollm2_learns_single_digit_addition_on_cpu(tmp_path):
     history = train_text(cfg)
     total = time.perf_counter() - t0
     rewards = [r["reward_mean"] for r in history]
-    seconds = [r["time_step_s"] for r in history]
+    seconds = [r["time_iteration_s"] for r in history]
     print(
         json.dumps(
             {

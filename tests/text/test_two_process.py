@@ -47,7 +47,7 @@ def test_two_processes_match_one(tmp_path, launch_ranks):
     _run(launch_ranks, one, 1)
     _run(launch_ranks, two, 2)
     m1, m2 = read_metrics(one / "metrics.jsonl"), read_metrics(two / "metrics.jsonl")
-    assert [r["step"] for r in m2] == [1, 2, 3]
+    assert [r["iteration"] for r in m2] == [1, 2, 3]
     assert not (two / "metrics.jsonl.1").exists()
     for a, b in zip(m1, m2):
         # the same samples (each chunk has its own seed) and so the same rewards and advantages, bit for bit
@@ -57,7 +57,7 @@ def test_two_processes_match_one(tmp_path, launch_ranks):
             "completions/mean_length",
             "count/generated_groups",
             "backward_passes",
-            "count/forward_grad",
+            "nfe_grad",
             "check/rows",
         ):
             assert a[key] == b[key], key
@@ -65,7 +65,7 @@ def test_two_processes_match_one(tmp_path, launch_ranks):
         for key in ("loss/total", "kl/ref_mean", "mismatch/logp_diff_max", "check/first_pass_ratio_dev"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
     assert sum(r["backward_passes"] for r in m1) > 0
-    assert sum(r["count/forward_grad"] for r in m2) == sum(r["count/forward_grad"] for r in m1)
+    assert sum(r["nfe_grad"] for r in m2) == sum(r["nfe_grad"] for r in m1)
     t1, t2 = _lora(one), _lora(two)
     assert t1.keys() == t2.keys()
     assert max(float(t1[k].abs().max()) for k in t1 if "lora_B" in k) > 0  # the update moved LoRA B off 0
