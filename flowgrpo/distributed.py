@@ -19,6 +19,8 @@ from typing import Mapping, Optional
 import torch
 from torch import Tensor
 
+from .config import ConfigError
+
 
 # `accelerate launch` exports these to every rank for an FSDP / DeepSpeed config (accelerate/utils/launch.py)
 SHARDED_LAUNCH_VARS = {"ACCELERATE_USE_FSDP": "FSDP", "ACCELERATE_USE_DEEPSPEED": "DeepSpeed"}
@@ -27,8 +29,6 @@ SHARDED_LAUNCH_VARS = {"ACCELERATE_USE_FSDP": "FSDP", "ACCELERATE_USE_DEEPSPEED"
 def refuse_sharded_launch(environ: Mapping[str, str] | None = None) -> None:
     """Stop a run launched with an FSDP or DeepSpeed accelerate config: the trainers do not shard yet
     (flowgrpo.scaling is not wired in), so each rank would silently hold the whole model."""
-    from .config import ConfigError
-
     env = os.environ if environ is None else environ
     for var, engine in SHARDED_LAUNCH_VARS.items():
         # accelerate reads these with str_to_bool (it writes both "true" and "True")

@@ -83,21 +83,21 @@ def _records(path: Path) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def _counter(record: dict[str, Any], key: str) -> Any:
-    """The record's step counter: `key`, or a legacy name (a file written before the names were shared)."""
-    for name in (key, *LEGACY_COUNTER_KEYS):
+def _counter(record: dict[str, Any]) -> Any:
+    """The record's step counter: `iteration`, or a legacy name (a file written before the names were shared)."""
+    for name in (COUNTER_KEY, *LEGACY_COUNTER_KEYS):
         if name in record:
             return record[name]
     return 0
 
 
-def truncate_metrics(path: str | Path, last: int, key: str = COUNTER_KEY) -> None:
-    """Drop records whose counter `key` (or its legacy name `step`) is past `last` (written after the checkpoint
-    a run resumes from) and a torn last line; the file is replaced atomically."""
+def truncate_metrics(path: str | Path, last: int) -> None:
+    """Drop records whose counter (`iteration`, or its legacy name `step`) is past `last` (written after the
+    checkpoint a run resumes from) and a torn last line; the file is replaced atomically."""
     path = Path(path)
     if not path.is_file():
         return
-    kept = [line for line, record in _records(path) if _counter(record, key) <= last]
+    kept = [line for line, record in _records(path) if _counter(record) <= last]
     replace_text_atomically(path, "".join(line + "\n" for line in kept))
 
 

@@ -63,8 +63,9 @@ def encode_png(image: Image.Image) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _open_png(data: Any, max_pixels: int | None = None) -> Image.Image:
-    """A base64 PNG opened with its header read only (no pixel decoded); ImageTooLarge over `max_pixels`."""
+def open_png(data: Any, max_pixels: int | None = None) -> Image.Image:
+    """A base64 PNG opened with its header read only (no pixel decoded): ImageTooLarge over `max_pixels` (a
+    435 KB PNG can declare 12000 x 12000 pixels). `_load_png` decodes it."""
     if not isinstance(data, str):
         raise WireError(f"an image must be a base64 PNG string, got {type(data).__name__}")
     try:
@@ -89,12 +90,6 @@ def _load_png(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def decode_png(data: Any, max_pixels: int | None = None) -> Image.Image:
-    """A base64 PNG -> RGB image. With `max_pixels`, the size in the PNG header is checked before any pixel
-    is decoded (a 435 KB PNG can declare 12000 x 12000 pixels): ImageTooLarge."""
-    return _load_png(_open_png(data, max_pixels))
-
-
 def check_request_pixels(images: list[Image.Image], max_request_pixels: int | None) -> None:
     """ImageTooLarge when opened (not yet decoded) images hold more than `max_request_pixels` in all: the
     decoded memory of one request is bounded, not only that of each image."""
@@ -111,7 +106,7 @@ def decode_pngs(data: Any, max_pixels: int | None = None, max_request_pixels: in
     image is decoded."""
     if not isinstance(data, list):
         raise WireError(f"'images' must be a list, got {type(data).__name__}")
-    opened = [_open_png(s, max_pixels) for s in data]
+    opened = [open_png(s, max_pixels) for s in data]
     check_request_pixels(opened, max_request_pixels)
     return [_load_png(im) for im in opened]
 
@@ -135,16 +130,6 @@ def encode_value(value: Any) -> Any:
     raise WireError(f"metadata value of type {type(value).__name__} cannot go over the wire")
 
 
-def decode_value(value: Any, max_pixels: int | None = None) -> Any:
-    if isinstance(value, dict):
-        if set(value) == {PNG_KEY}:
-            return decode_png(value[PNG_KEY], max_pixels)
-        return {k: decode_value(v, max_pixels) for k, v in value.items()}
-    if isinstance(value, list):
-        return [decode_value(v, max_pixels) for v in value]
-    return value
-
-
 def encode_request(images: ImageBatch, prompts: list[str] | None, metadata: dict[str, list] | None) -> dict:
     return {
         "images": [encode_png(im) for im in images.pil()],
@@ -154,10 +139,10 @@ def encode_request(images: ImageBatch, prompts: list[str] | None, metadata: dict
 
 
 def _open_value(value: Any, max_pixels: int | None, opened: list[Image.Image]) -> Any:
-    """decode_value with the images only opened (header read), each appended to `opened`."""
+    """A metadata value from JSON with its images only opened (header read), each appended to `opened`."""
     if isinstance(value, dict):
         if set(value) == {PNG_KEY}:
-            opened.append(_open_png(value[PNG_KEY], max_pixels))
+            opened.append(open_png(value[PNG_KEY], max_pixels))
             return opened[-1]
         return {k: _open_value(v, max_pixels, opened) for k, v in value.items()}
     if isinstance(value, list):
@@ -183,7 +168,7 @@ def decode_request(
     if not isinstance(payload, dict) or not isinstance(payload.get("images"), list):
         raise WireError("request must be a JSON object with an 'images' list")
     opened: list[Image.Image] = []
-    images = [_open_png(s, max_pixels) for s in payload["images"]]
+    images = [open_png(s, max_pixels) for s in payload["images"]]
     n = len(images)
     prompts = payload.get("prompts")
     if prompts is not None and (

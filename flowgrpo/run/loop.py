@@ -189,7 +189,7 @@ class RunLoop:
         if main:
             dump_config(cfg, self.out / "config.yaml")
             if self.step > 0:  # records written after the checkpoint this run resumed from
-                truncate_metrics(metrics_path, self.step, COUNTER_KEY)
+                truncate_metrics(metrics_path, self.step)
         end = self.total_steps if cfg.stop_after is None else min(self.total_steps, cfg.stop_after)
         history: list[dict[str, Any]] = []
         if self.step == 0 and main:
