@@ -10,6 +10,9 @@ A checkpoint is a folder `step_00000012/` under a root folder:
                                   states, python and numpy RNG scalars, format version, and the size
                                   and sha256 of every other file (`files`)
     config.json                   the resolved run config (optional)
+    sharded/                      a sharded (FSDP2) run's weights, EMA and optimizer moments: every rank
+                                  writes its own shards (torch.distributed.checkpoint, safetensors files),
+                                  read back on any number of ranks (flowgrpo.run.shards)
 
 Before a resume trusts a checkpoint, `latest_checkpoint(root, verify=True)` checks those sizes and
 hashes; a damaged checkpoint (truncated by a full disk, altered) is skipped with a warning naming it and
@@ -41,6 +44,12 @@ from .atomic_io import TensorInJSONError, fsync_dir, fsync_file, from_json, to_j
 
 FORMAT_VERSION = 1
 _PREFIX = "step_"
+SHARDED = "sharded"  # the subfolder of a sharded (FSDP2) run's checkpoint: every rank's shards
+
+
+def is_shard(t: Any) -> bool:
+    """A tensor FSDP2 shards over the ranks (a DTensor): written by every rank, not by rank 0's files."""
+    return type(t).__name__ == "DTensor"
 
 
 class CheckpointError(RuntimeError):
@@ -121,18 +130,24 @@ def _optimizer_parts(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.
     sd = optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
+    sharded: list[str] = []  # states of FSDP2-sharded weights: in the checkpoint's `sharded/` folder
     for idx, slots in sd["state"].items():
         for key, value in slots.items():
-            if isinstance(value, torch.Tensor):
+            if is_shard(value):
+                sharded.append(f"{idx}.{key}")
+            elif isinstance(value, torch.Tensor):
                 tensors[f"{idx}.{key}"] = value
             else:
                 scalars.setdefault(str(idx), {})[key] = value
-    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars, "tensor_keys": sorted(tensors)}
+    meta = {"param_groups": sd["param_groups"], "scalars": scalars, "tensor_keys": sorted(tensors)}
+    if sharded:
+        meta["sharded_keys"] = sorted(sharded)
+    return tensors, meta
 
 
-def _optimizer_state(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
+def _optimizer_state(tensors: Mapping[str, torch.Tensor], meta: dict) -> dict:
     state: dict[int, dict[str, Any]] = {}
-    for name in meta["tensor_keys"]:
+    for name in meta["tensor_keys"] + meta.get("sharded_keys", []):
         idx, key = name.split(".", 1)
         state.setdefault(int(idx), {})[key] = tensors[name]
     for idx, slots in meta["scalars"].items():
@@ -200,9 +215,9 @@ def _file_digest(path: Path) -> str:
 
 def _manifest(folder: Path) -> dict[str, dict[str, Any]]:
     return {
-        f.name: {"bytes": f.stat().st_size, "sha256": _file_digest(f)}
-        for f in sorted(folder.iterdir())
-        if f.is_file() and f.name != "state.json"
+        f.relative_to(folder).as_posix(): {"bytes": f.stat().st_size, "sha256": _file_digest(f)}
+        for f in sorted(folder.rglob("*"))
+        if f.is_file() and f != folder / "state.json"
     }
 
 
@@ -260,6 +275,7 @@ def save_checkpoint(
     state: Optional[Mapping[str, Any]] = None,
     config: Optional[Mapping[str, Any]] = None,
     keep_last: Optional[int] = None,
+    folders: Optional[Mapping[str, Path]] = None,
 ) -> Path:
     """Write checkpoint `step` under `root` atomically and return its folder.
 
@@ -268,6 +284,8 @@ def save_checkpoint(
     schedulers: {name: object whose state_dict() is JSON-able}: LR schedulers, a GradScaler, ...
     state:      JSON-able caller state (data position, counters, ...).
     keep_last:  remove all but the newest `keep_last` checkpoints after a successful save.
+    folders:    {name: folder already written under `root`} moved in as subfolders (a sharded run's `sharded/`,
+                written by every rank), covered by the manifest like every other file.
     """
     root = Path(root)
     _refuse_nonfinite(step, tensors, optimizers)  # before anything is written or rotated away
@@ -286,6 +304,11 @@ def save_checkpoint(
         _save_tensors(rng_tensors, tmp / "rng.safetensors")
         if config is not None:
             _write_json(tmp / "config.json", dict(config))
+        for name, folder in (folders or {}).items():
+            for f in folder.rglob("*"):
+                if f.is_file():
+                    fsync_file(f)
+            os.rename(folder, tmp / name)
         files = _manifest(tmp)  # what a resume verifies before trusting this checkpoint
         _write_json(
             tmp / "state.json",
@@ -298,8 +321,10 @@ def save_checkpoint(
                 "files": files,
             },
         )
-        for f in tmp.iterdir():
-            os.chmod(f, 0o666 & ~_umask())
+        for f in tmp.rglob("*"):
+            os.chmod(f, (0o777 if f.is_dir() else 0o666) & ~_umask())
+            if f.is_dir():
+                fsync_dir(f)
         fsync_dir(tmp)
         if target.exists():  # re-saving a step (e.g. after a resume): move the old one aside first
             old = root / f".old-{target.name}-{os.getpid()}"
@@ -365,10 +390,13 @@ def load_checkpoint(
     optimizers: Optional[Mapping[str, torch.optim.Optimizer]] = None,
     schedulers: Optional[Mapping[str, Any]] = None,
     restore_rng: bool = True,
+    shards: Optional[Mapping[str, torch.Tensor]] = None,
 ) -> Checkpoint:
     """Read a checkpoint folder; load optimizer and scheduler states in place; restore the global RNGs.
 
-    Tensor groups are returned on CPU; the caller loads them into its modules (see `load_into`).
+    Tensor groups are returned on CPU; the caller loads them into its modules (see `load_into`). A sharded
+    run passes the `sharded/` tensors it read (flowgrpo.run.shards), keyed "tensors.<group>/<name>" and
+    "optim.<name>/<index>.<key>": they join the groups and optimizer states.
     """
     path = Path(path)
     if not (path / "state.json").is_file():
@@ -379,11 +407,23 @@ def load_checkpoint(
     tensors = {}
     for f in sorted(path.glob("tensors.*.safetensors")):
         tensors[f.name[len("tensors.") : -len(".safetensors")]] = _load_tensors(f)
+    shards = shards or {}
+    for key, value in shards.items():
+        if key.startswith("tensors."):
+            group, name = key[len("tensors.") :].split("/", 1)
+            tensors.setdefault(group, {})[name] = value
     for name, opt in (optimizers or {}).items():
         meta_path = path / f"optim.{name}.json"
         if not meta_path.is_file():
             raise CheckpointError(f"{path}: no optimizer state '{name}'")
-        opt.load_state_dict(_optimizer_state(_load_tensors(path / f"optim.{name}.safetensors"), _read_json(meta_path)))
+        meta = _read_json(meta_path)
+        saved = _load_tensors(path / f"optim.{name}.safetensors")
+        prefix = f"optim.{name}/"
+        saved.update({k[len(prefix) :]: v for k, v in shards.items() if k.startswith(prefix)})
+        missing = [k for k in meta.get("sharded_keys", []) if k not in saved]
+        if missing:
+            raise CheckpointError(f"{path}: optimizer '{name}' has sharded states but none were read ({missing[0]})")
+        opt.load_state_dict(_optimizer_state(saved, meta))
     for name, sched in (schedulers or {}).items():
         if name not in raw["schedulers"]:
             raise CheckpointError(f"{path}: no scheduler state '{name}'")

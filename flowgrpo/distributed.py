@@ -14,50 +14,98 @@ gathered on every rank, and micro-batch k of every mini-batch on rank k % world_
 from __future__ import annotations
 
 import os
-from typing import Mapping, Optional
+from typing import TYPE_CHECKING, Mapping, Optional
 
 import torch
 from torch import Tensor
 
+from .checkpoint import is_shard
 from .config import ConfigError
+
+if TYPE_CHECKING:
+    from .scaling.sharding import ShardingConfig
 
 
 # `accelerate launch` exports these to every rank for an FSDP / DeepSpeed config (accelerate/utils/launch.py)
-SHARDED_LAUNCH_VARS = {"ACCELERATE_USE_FSDP": "FSDP", "ACCELERATE_USE_DEEPSPEED": "DeepSpeed"}
+USE_FSDP, USE_DEEPSPEED = "ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"
 
 
-def refuse_sharded_launch(environ: Mapping[str, str] | None = None) -> None:
-    """Stop a run launched with an FSDP or DeepSpeed accelerate config: the trainers do not shard yet
-    (flowgrpo.scaling is not wired in), so each rank would silently hold the whole model."""
+def _env_true(env: Mapping[str, str], var: str) -> bool:
+    # accelerate reads these with str_to_bool (it writes both "true" and "True")
+    return env.get(var, "").strip().lower() in {"1", "true", "t", "yes", "y", "on"}
+
+
+def sharding_from_launch(environ: Mapping[str, str] | None = None) -> Optional["ShardingConfig"]:
+    """The FSDP2 settings an `accelerate launch --config_file configs/accelerate/fsdp2.yaml` asks for (None for
+    a data-parallel launch). A DeepSpeed launch is refused in one line: the trainers shard with FSDP2 only."""
     env = os.environ if environ is None else environ
-    for var, engine in SHARDED_LAUNCH_VARS.items():
-        # accelerate reads these with str_to_bool (it writes both "true" and "True")
-        if env.get(var, "").strip().lower() in {"1", "true", "t", "yes", "y", "on"}:
-            raise ConfigError(
-                f"launched with an accelerate {engine} config ({var}), but flowgrpo does not shard yet and every "
-                "rank would hold the whole model; launch with configs/accelerate/ddp.yaml and a LoRA recipe "
-                "(e.g. configs/t2i/real/<recipe>_lora.yaml) instead"
-            )
+    if _env_true(env, USE_DEEPSPEED):
+        raise ConfigError(
+            f"launched with an accelerate DeepSpeed config ({USE_DEEPSPEED}), but flowgrpo's trainers shard with "
+            "FSDP2 only; launch with configs/accelerate/fsdp2.yaml (parameters, gradients and optimizer states "
+            "sharded as ZeRO-3 does) or configs/accelerate/ddp.yaml"
+        )
+    if not _env_true(env, USE_FSDP):
+        return None
+    from .scaling.sharding import ShardingConfig, ShardingError
+
+    try:
+        return ShardingConfig.from_accelerate_env(dict(env))
+    except ShardingError as err:
+        raise ConfigError(f"accelerate FSDP config: {err}") from None
 
 
 class Distributed:
-    def __init__(self, rank: int = 0, world_size: int = 1):
-        self.rank, self.world_size = rank, world_size
+    """This process's rank and world; `sharding` is set when the run shards its models with FSDP2."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1, sharding: Optional["ShardingConfig"] = None):
+        self.rank, self.world_size, self.sharding = rank, world_size, sharding
 
     @classmethod
     def from_environment(cls) -> "Distributed":
         import torch.distributed as dist
 
-        refuse_sharded_launch()  # before the trainers load any model
+        sharding = sharding_from_launch()  # before the trainers load any model
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world <= 1:
+        if world <= 1 and sharding is None:
             return cls()
         if not dist.is_initialized():
             if torch.cuda.is_available():
                 # one GPU per process: collectives and `device: auto` use this rank's GPU
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        return cls(dist.get_rank(), dist.get_world_size())
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if world <= 1:  # FSDP2 on one process (a sharded run resumed on one GPU): a group of one
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            else:
+                dist.init_process_group(backend)
+        return cls(dist.get_rank(), dist.get_world_size(), sharding)
+
+    @property
+    def sharded(self) -> bool:
+        return self.sharding is not None
+
+    def shard(self, module: torch.nn.Module) -> None:
+        """FSDP2 on `module`'s transformer blocks and root (flowgrpo.scaling.sharding.shard_model). Gradients are
+        summed over ranks, not averaged: each rank's loss already carries the global normaliser."""
+        from torch.distributed.fsdp import FSDPModule
+
+        from .scaling.sharding import shard_model
+
+        assert self.sharding is not None
+        shard_model(module, self.sharding)
+        for m in module.modules():
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(1.0)
+                m.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-multiplied sum)
+
+    def passes_to_pad(self, passes: int) -> int:
+        """Sharded runs: every rank must run as many forward / backward passes as the busiest one (each pass
+        gathers the blocks' shards from all ranks); the extra passes this rank runs with a zero loss."""
+        return self.most(passes) - passes if self.sharded else 0
+
+    def most(self, count: int) -> int:
+        """The largest of every rank's `count` (for steps that every rank must take equally often)."""
+        return int(self.max(float(count)))
 
     @property
     def is_main(self) -> bool:
@@ -90,7 +138,10 @@ class Distributed:
         return stacked.flatten(0, 1)
 
     def all_reduce_grads(self, params: list[torch.nn.Parameter]) -> None:
-        if not self.active:
+        """Sum the gradients of replicated parameters over ranks (FSDP2 already reduce-scattered those of
+        sharded ones in backward; a replicated module, e.g. Adv-GRPO's discriminator, still needs this)."""
+        params = [p for p in params if not is_shard(p)]
+        if not self.active or not params:
             return
         import torch.distributed as dist
 

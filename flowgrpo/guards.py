@@ -84,7 +84,8 @@ class NonFiniteGuard:
     def weights(self, params: Iterable[torch.Tensor], index: int) -> None:
         """Raise when a weight is non-finite after a step (finite gradients can still overflow a weight)."""
         for p in params:
-            if not bool(torch.isfinite(p.detach()).all()):
+            local = p.to_local() if hasattr(p, "to_local") else p  # a sharded weight: this rank's shard
+            if not bool(torch.isfinite(local.detach()).all()):
                 raise NonFiniteError(
                     f"{self.unit} {index}: a weight became NaN / inf after an optimizer step; "
                     "stopped before saving it (the last checkpoint holds finite weights). Lower "

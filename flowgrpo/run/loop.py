@@ -32,7 +32,16 @@ from typing import Any, Optional
 
 import torch
 
-from ..checkpoint import Checkpoint, check_resume_config, latest_checkpoint, load_checkpoint, save_checkpoint
+from ..checkpoint import (
+    SHARDED,
+    Checkpoint,
+    CheckpointError,
+    check_resume_config,
+    checkpoint_name,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from ..config import ConfigError, dump_config
 from ..distributed import Distributed
 from ..guards import NonFiniteGuard
@@ -100,7 +109,8 @@ class RunLoop:
         raise NotImplementedError
 
     def evaluate(self, tag: str) -> dict[str, float]:
-        """Held-out evaluation: 'before', '<step>' every `eval_every` steps, 'after'. None by default."""
+        """Held-out evaluation: 'before', '<step>' every `eval_every` steps, 'after' (rank 0, or every rank of a
+        sharded run; rank 0's result is logged). None by default."""
         return {}
 
     eval_every = 0
@@ -115,7 +125,8 @@ class RunLoop:
         """Rank 0, after the last step: write what the finished run leaves besides the final model."""
 
     def save_final_model(self) -> None:
-        """Rank 0, after the last step, when `checkpoint.save_final_model`: the trained weights."""
+        """After the last step, when `checkpoint.save_final_model`: the trained weights (rank 0; in a sharded
+        run every rank gathers, rank 0 writes)."""
 
     def close(self) -> None:
         """Release workers, trackers and files; runs last, however the run ends."""
@@ -136,18 +147,43 @@ class RunLoop:
     # --- checkpoints -----------------------------------------------------------------------------------
 
     def save(self) -> Optional[Path]:
-        """Rank 0 writes the checkpoint (every rank holds the same weights); the others wait for it."""
-        path = self._write_checkpoint() if self.dist.is_main else None
+        """Rank 0 writes the checkpoint (every rank holds the same weights); the others wait for it. A sharded
+        run's ranks first write their shards together (flowgrpo.run.shards)."""
+        if self.dist.sharded:
+            path = self._write_sharded_checkpoint()
+        else:
+            path = self._write_checkpoint(self.checkpoint_parts()) if self.dist.is_main else None
         self.dist.barrier()
         return path
 
-    def _write_checkpoint(self) -> Path:
-        parts = self.checkpoint_parts()
+    def _write_checkpoint(self, parts: CheckpointParts, folders: Optional[dict[str, Path]] = None) -> Path:
         return save_checkpoint(
             self.ckpt_dir, self.step, tensors=parts.tensors, optimizers=parts.optimizers,
             schedulers={"lr": self.scheduler}, state=parts.state, config=self.cfg.model_dump(mode="json"),
-            keep_last=self.cfg.checkpoint.keep_last,
+            keep_last=self.cfg.checkpoint.keep_last, folders=folders,
         )  # fmt: skip
+
+    def _write_sharded_checkpoint(self) -> Optional[Path]:
+        """Every rank writes its shards into a staging folder; rank 0 then writes the rest and moves the
+        staging folder into the checkpoint before its atomic rename."""
+        import shutil
+
+        from .shards import all_finite, shard_tensors, without_shards, write_shards
+
+        parts = self.checkpoint_parts()
+        shards = shard_tensors(parts)
+        if self.dist.max(0.0 if all_finite(shards) else 1.0):  # every rank refuses together
+            raise CheckpointError(f"refusing to save step {self.step}: sharded tensors hold NaN / inf")
+        staging = self.ckpt_dir / f".tmp-shards-{checkpoint_name(self.step)}"
+        if self.dist.is_main:
+            shutil.rmtree(staging, ignore_errors=True)  # left by a crashed save
+            staging.mkdir(parents=True)
+        self.dist.barrier()
+        write_shards(staging, shards)
+        self.dist.barrier()
+        if not self.dist.is_main:
+            return None
+        return self._write_checkpoint(without_shards(parts), folders={SHARDED: staging})
 
     def resume(self) -> None:
         """Continue from the newest good checkpoint under the checkpoint folder (none: start at step 0). Damaged
@@ -157,8 +193,18 @@ class RunLoop:
         if path is None:
             log.info("resume: no checkpoint under %s; starting at %s 0", self.ckpt_dir, self.unit)
             return
-        optimizers = self.checkpoint_parts().optimizers
-        ckpt = load_checkpoint(path, optimizers=optimizers, schedulers={"lr": self.scheduler})
+        parts = self.checkpoint_parts()
+        shards = None
+        if (path / SHARDED).is_dir():  # saved sharded: read on this run's ranks, sharded or not
+            from .shards import read_shards
+
+            shards = read_shards(path / SHARDED, parts)
+        elif self.dist.sharded:
+            raise ConfigError(
+                f"resume: {path} was saved by a run that does not shard; resume it without an FSDP launch "
+                "(configs/accelerate/ddp.yaml)"
+            )
+        ckpt = load_checkpoint(path, optimizers=parts.optimizers, schedulers={"lr": self.scheduler}, shards=shards)
         check_resume_config(self.cfg.model_dump(mode="json"), ckpt.config, set(self.resume_free))
         self.restore(ckpt)
         self.step = ckpt.step
@@ -171,10 +217,11 @@ class RunLoop:
         """Run to `stop_after` (or the end); returns the metrics records of the steps run."""
         try:
             history = self._run_steps()
-            if self.step >= self.total_steps and self.dist.is_main:
+            if self.step >= self.total_steps and self._all_ranks_or_main():
                 final = self.evaluate("after")
-                self.log_record(final, self.step)
-                self.finish(final)
+                if self.dist.is_main:
+                    self.log_record(final, self.step)
+                    self.finish(final)
                 if self.cfg.checkpoint.save_final_model:
                     self.save_final_model()
             return history
@@ -192,8 +239,10 @@ class RunLoop:
                 truncate_metrics(metrics_path, self.step)
         end = self.total_steps if cfg.stop_after is None else min(self.total_steps, cfg.stop_after)
         history: list[dict[str, Any]] = []
-        if self.step == 0 and main:
-            self.log_record(self.evaluate("before"), 0)
+        if self.step == 0 and self._all_ranks_or_main():
+            before = self.evaluate("before")
+            if main:
+                self.log_record(before, 0)
         bar = tqdm(total=self.total_steps, initial=self.step, desc=self.progress_label,
                    disable=not (cfg.progress and main))  # fmt: skip
         writer = MetricsWriter(metrics_path, append=self.step > 0) if main else None
@@ -227,6 +276,11 @@ class RunLoop:
             if writer is not None:
                 writer.close()
         return history
+
+    def _all_ranks_or_main(self) -> bool:
+        """Rank 0 evaluates and exports alone, except in a sharded run: there every rank holds a part of each
+        weight, so every rank takes part in each forward and in gathering the weights to export."""
+        return self.dist.is_main or self.dist.sharded
 
     def _checkpoint_due(self, end: int) -> bool:
         every = self.cfg.checkpoint.every

@@ -1,7 +1,7 @@
 """AdamW with its learning-rate schedule, and the optimizer step both trainers take.
 
-The step is the one place where gradients become weights: all-reduce over ranks, clip, AdamW, zero the
-gradients, EMA. The run's `NonFiniteGuard` refuses a NaN / inf gradient here, so no trainer can forget it.
+The step is the one place where gradients become weights: all-reduce over ranks (FSDP2 reduce-scatters them
+in backward instead), clip, AdamW, zero the gradients, EMA. The run's `NonFiniteGuard` refuses a NaN / inf gradient here, so no trainer can forget it.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 
 from ..distributed import Distributed
 from ..guards import NonFiniteGuard
+from ..scaling.sharding import clip_grad_norm
 from .config import OptimConfig
 from .ema import ScheduledEMA
 
@@ -88,7 +89,7 @@ class OptimizerStep:
         if self.ema is not None:
             self.ema.before_step(self.params)
         self.dist.all_reduce_grads(self.params)
-        norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_norm))
+        norm = clip_grad_norm(self.params, self.max_norm)  # over every shard when FSDP2 shards the weights
         self.norms.append(norm)
         if self.guard is not None and not self.guard.step_ok(norm):  # the same norm on every rank: all skip
             self.optimizer.zero_grad(set_to_none=True)

@@ -19,7 +19,7 @@ from ..metrics import LossMetrics
 from ..run.ratio_check import FirstPassCheck
 from .credit import assign_credit
 from .methods import METHODS, Method, ScoredRollout
-from .objectives import EdgeObjective, edge_batch
+from .objectives import EdgeBatch, EdgeObjective, edge_batch
 
 if TYPE_CHECKING:
     from .config import T2IConfig
@@ -72,14 +72,19 @@ class GRPOMethod(Method):
         E = credit.edges.numel()
         metrics = LossMetrics()
         check = FirstPassCheck(cfg.ratio_check.enabled, cfg.ratio_check.tolerance)
-        on_policy, backwards = True, 0
+        on_policy, backwards, padding = True, 0, 0
         for epoch in range(cfg.train.inner_epochs):
             order = edge_order(E, cfg.seed, t.step, epoch, cfg.train.shuffle)
             for mini in order.chunk(cfg.train.mini_batches) if E else []:
                 mine, local_ids = t.dist.localize(credit.edges[mini], rollout.nodes_per_chunk)
                 part = edge_batch(tree, local_ids, credit.advantages[mini][mine], credit.weights[mini][mine])
                 norm = t.dist.reduce_normalizer(LossNormalizer.from_inputs(part.inputs()))
-                for micro in torch.arange(local_ids.numel()).split(cfg.train.micro_batch_size):
+                micros = torch.arange(local_ids.numel()).split(cfg.train.micro_batch_size)
+                for _ in range(t.dist.passes_to_pad(len(micros))):  # sharded: as many passes as the busiest rank
+                    pad = self._padding_batch(t, credit, rollout)
+                    self.objective(t.adapter, tree, pad, rollout.prompts, norm).output.loss.mul(0.0).backward()
+                    padding += 1
+                for micro in micros:
                     rows = part.rows(micro)
                     edge_loss = self.objective(t.adapter, tree, rows, rollout.prompts, norm)
                     if on_policy:
@@ -95,4 +100,16 @@ class GRPOMethod(Method):
             check.reduce(t.dist)
         record.update(metrics.result(len(t.optimizer_step.norms)))
         record["backward_passes"] = backwards  # this rank's; the trainer sums the counts over ranks
+        if t.dist.sharded:
+            record["padding_passes"] = padding
         check.report(record, f"iteration {t.step + 1}", SUSPECTS)
+
+    @staticmethod
+    def _padding_batch(t: T2ITrainer, credit: Any, rollout: ScoredRollout) -> EdgeBatch:
+        """A sharded run's padding pass: the first trained edge this rank owns (a transition with a finite
+        log-prob), with zero advantage and weight."""
+        _, own = t.dist.localize(credit.edges, rollout.nodes_per_chunk)
+        if own.numel() == 0:
+            raise RuntimeError(f"rank {t.dist.rank} holds no trained edge this iteration; nothing to pad with")
+        zero = torch.zeros(1)
+        return edge_batch(rollout.tree, own[:1], zero, zero)

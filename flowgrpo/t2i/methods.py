@@ -58,6 +58,10 @@ class Method:
         self.trainer = trainer
 
     @staticmethod
+    def prepare_model(adapter: Any, cfg: T2IConfig) -> None:
+        """Add what the method keeps inside the denoiser (NFT's old-policy adapter) before it is sharded."""
+
+    @staticmethod
     def needs_reference(cfg: T2IConfig) -> bool:
         """A KL term against the reference (LoRA-disabled / frozen) policy."""
         return False

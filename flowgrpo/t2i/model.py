@@ -60,6 +60,15 @@ class FrozenCopyReference:
             setattr(self.adapter.pipe, name, live)
 
 
+def shard_policy(adapter, reference, dist) -> list[torch.nn.Parameter]:
+    """FSDP2 on the denoiser (and on the frozen reference copy of a full fine-tune); returns the trainable
+    parameters, which `fully_shard` replaced by DTensor shards (build the optimizer and EMA from these)."""
+    dist.shard(adapter.denoiser)
+    if isinstance(reference, FrozenCopyReference):
+        dist.shard(reference.frozen)
+    return [p for p in adapter.denoiser.parameters() if p.requires_grad]
+
+
 def reference_context(adapter, cfg: ModelConfig, needed: bool):
     """A context manager giving the reference policy: LoRA disabled, or a frozen copy when fully tuned."""
     if not needed:

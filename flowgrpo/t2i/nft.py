@@ -74,19 +74,23 @@ class NFTMethod(Method):
     """DiffusionNFT: rollouts from the old policy, the forward-process objective on the clean samples (x0 = the
     leaves), then the old policy's soft update. The old policy is a second LoRA adapter, starting equal."""
 
-    def __init__(self, trainer: T2ITrainer) -> None:
-        super().__init__(trainer)
-        lora = trainer.cfg.model.lora
-        adapter = trainer.adapter
+    @staticmethod
+    def prepare_model(adapter: Any, cfg: T2IConfig) -> None:
+        """The old policy's adapter, frozen; the trained one stays active (before sharding: FSDP2 manages the
+        parameters present when it wraps a block)."""
+        lora = cfg.model.lora
         adapter.add_lora(
             rank=lora.rank, alpha=lora.alpha, init=lora.init, target_modules=lora.target_modules, adapter_name="old"
         )
         adapter.denoiser.set_adapter("default")
-        for p in trainer.params:
+        for p in adapter.lora_parameters("default"):
             p.requires_grad_(True)
-        self.old_params = adapter.lora_parameters("old")
-        for p in self.old_params:
+        for p in adapter.lora_parameters("old"):
             p.requires_grad_(False)
+
+    def __init__(self, trainer: T2ITrainer) -> None:
+        super().__init__(trainer)
+        self.old_params = trainer.adapter.lora_parameters("old")
         soft_update(self.old_params, trainer.params, 0.0)
 
     @staticmethod
@@ -146,39 +150,49 @@ class NFTMethod(Method):
         n_t = max(1, int((len(sig) - 1) * nft.timestep_fraction))
         embeds = t.adapter.encode_prompts(rollout.prompts)
         counters = t.sampler.counters
-        metrics_sum, n_terms, backwards = 0.0, 0, 0
+        metrics_sum, n_terms, backwards, padding = 0.0, 0, 0, 0
         total = max(t.dist.sum(float(keep.numel())) * int(n_t), 1.0)
+
+        def backward(micro: Tensor, time_: Tensor, eps: Tensor, r: Tensor, scale: float) -> Tensor:
+            """One forward-process term of `micro`'s samples at grid times `time_`, back-propagated; its
+            per-sample losses."""
+            x_0 = x0[micro].float()
+            tt = time_.to(x_0.device).view(-1, 1, 1, 1)
+            x_t = (1 - tt) * x_0 + tt * eps.to(x_0.device)
+            rows = embeds.index(prompt_of[micro])
+            with torch.no_grad(), active_lora(t.adapter, "old") as old:
+                v_old = old.model_output(x_t, time_, rows, cfg.sampler.guidance_scale, "none")
+            v = t.adapter.model_output(x_t, time_, rows, cfg.sampler.guidance_scale, "none")
+            per = nft_loss(v, v_old, x_t, x_0, time_, r.to(v.device), beta=nft.beta, adv_max=nft.adv_max)
+            loss = per.sum() / total * cfg.train.mini_batches
+            if nft.kl_coef:
+                with torch.no_grad(), t.reference() as ref:
+                    v_ref = ref.model_output(x_t, time_, rows, cfg.sampler.guidance_scale, "none")
+                loss = loss + nft.kl_coef * ((v - v_ref) ** 2).flatten(1).mean(1).sum() / total
+            (loss * scale).backward()
+            return per.detach()
+
         for epoch in range(cfg.train.inner_epochs):
             g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + t.step * 1009 + epoch)
             order = keep[torch.randperm(keep.numel(), generator=g)]
-            for mini in order.chunk(cfg.train.mini_batches) if keep.numel() else []:
-                for micro in mini.split(cfg.train.micro_batch_size):
+            minis = list(order.chunk(cfg.train.mini_batches)) if keep.numel() else []
+            minis += [keep[:0]] * (t.dist.most(len(minis)) - len(minis))  # every rank steps the optimizer alike
+            for mini in minis:
+                micros = mini.split(cfg.train.micro_batch_size)
+                for _ in range(t.dist.passes_to_pad(len(micros) * n_t)):  # sharded: as many as the busiest rank
+                    backward(torch.zeros(1, dtype=torch.long), sig[:1], torch.zeros_like(x0[:1]).float(),
+                             torch.zeros(1), 0.0)  # fmt: skip
+                    padding += 1
+                for micro in micros:
                     # each sample trains on n_t grid times, fresh noise every time
                     times = torch.stack([torch.randperm(len(sig) - 1, generator=g)[:n_t] for _ in micro])
                     for j in range(n_t):
-                        time_ = sig[times[:, j]]
-                        x_0 = x0[micro].float()
-                        eps = torch.randn(x_0.shape, generator=g).to(x_0.device)
-                        tt = time_.to(x_0.device).view(-1, 1, 1, 1)
-                        x_t = (1 - tt) * x_0 + tt * eps
-                        rows = embeds.index(prompt_of[micro])
-                        with torch.no_grad(), active_lora(t.adapter, "old") as old:
-                            v_old = old.model_output(x_t, time_, rows, cfg.sampler.guidance_scale, "none")
-                        v = t.adapter.model_output(x_t, time_, rows, cfg.sampler.guidance_scale, "none")
-                        counters.nfe_nograd += micro.numel()
+                        eps = torch.randn(x0[micro].shape, generator=g)
+                        per = backward(micro, sig[times[:, j]], eps, opt_r[micro], 1.0)
+                        counters.nfe_nograd += micro.numel() * (2 if nft.kl_coef else 1)
                         counters.nfe_grad += micro.numel()
-                        per = nft_loss(
-                            v, v_old, x_t, x_0, time_, opt_r[micro].to(v.device), beta=nft.beta, adv_max=nft.adv_max
-                        )
-                        loss = per.sum() / total * cfg.train.mini_batches
-                        if nft.kl_coef:
-                            with torch.no_grad(), t.reference() as ref:
-                                v_ref = ref.model_output(x_t, time_, rows, cfg.sampler.guidance_scale, "none")
-                            counters.nfe_nograd += micro.numel()
-                            loss = loss + nft.kl_coef * ((v - v_ref) ** 2).flatten(1).mean(1).sum() / total
-                        loss.backward()
                         backwards += 1
-                        metrics_sum += float(per.detach().sum())
+                        metrics_sum += float(per.sum())
                         n_terms += micro.numel()
                 t.optimizer_step()
         decay = old_decay(t.optimizer_step.total, nft.decay)  # optimizer steps so far, as the release's global_step
@@ -188,6 +202,7 @@ class NFTMethod(Method):
                 "loss/policy": metrics_sum / max(n_terms, 1),
                 "nft/old_decay": decay,
                 "backward_passes": backwards,
+                **({"padding_passes": padding} if t.dist.sharded else {}),
                 "nft/mean_r": float(opt_r[keep].mean()) if keep.numel() else math.nan,
             }
         )

@@ -25,13 +25,14 @@ import torch
 from ..checkpoint import Checkpoint, load_into
 from ..config import ConfigError
 from ..core.advantages import ESTIMATORS
+from ..scaling.sharding import full_state
 from ..run import CheckpointParts, OptimizerStep, PromptSampler, RunLoop, build_ema, build_optimizer
 from . import adversarial, grpo, nft  # noqa: F401  (register the methods)
 from . import artifacts
 from .config import T2IConfig
 from .data import PromptSet, load_prompt_set
 from .methods import ScoredRollout, build_method, method_class
-from .model import build_policy, reference_context
+from .model import build_policy, reference_context, shard_policy
 from .rewards import RewardStage
 
 
@@ -73,9 +74,12 @@ class T2ITrainer(RunLoop):
             self.adapter.check_resolution(cfg.sampler.height, cfg.sampler.width)
         except ValueError as err:
             raise ConfigError(f"sampler.height / sampler.width: {err}") from None
-        self.param_names = [n for n, p in self.adapter.denoiser.named_parameters() if p.requires_grad]
+        method_class(cfg.method).prepare_model(self.adapter, cfg)
         self.sampler = Sampler(cfg.sampler.model_copy(update={"keep_means": cfg.loss.ratio.name == "ratio_norm"}))
         self.reference = reference_context(self.adapter, cfg.model, method_class(cfg.method).needs_reference(cfg))
+        if self.dist.sharded:
+            self.params = shard_policy(self.adapter, self.reference, self.dist)
+        self.param_names = [n for n, p in self.adapter.denoiser.named_parameters() if p.requires_grad]
         built = build_optimizer(self.params, cfg.optim, cfg.iterations, fused=False)
         self.optimizer, self.scheduler = built.optimizer, built.scheduler
         self.ema = build_ema(self.params, cfg.ema)
@@ -228,8 +232,10 @@ class T2ITrainer(RunLoop):
         record["nfe_grad"] = nfe1["nfe_grad"] - nfe0["nfe_grad"]
         record.setdefault("backward_passes", 0)
         if self.dist.active:  # counts of the whole batch, not of this rank's share
-            for key in ("nfe_nograd", "nfe_grad", "rollout_nfe_nograd", "reward_calls", "backward_passes"):
-                record[key] = type(record[key])(self.dist.sum(record[key]))
+            for key in ("nfe_nograd", "nfe_grad", "rollout_nfe_nograd", "reward_calls", "backward_passes",
+                        "padding_passes"):  # fmt: skip
+                if key in record:
+                    record[key] = type(record[key])(self.dist.sum(record[key]))
         record["images"] = rollout.global_tree.leaves.numel()
         record["peak_memory_mb"] = _peak_memory_mb()
         if rollout.images is not None and self._grid_due():
@@ -260,6 +266,8 @@ class T2ITrainer(RunLoop):
             gen = torch.Generator().manual_seed(cfg.eval.seed)
             tree = sampler.run(self.adapter, self.eval_prompts.prompts, plan, cfg.eval.images_per_prompt, gen)
             images = self.adapter.decode(tree.leaf_latents().flatten(0, 1))
+        if not self.dist.is_main:  # a sharded run's other ranks only took part in the forwards
+            return {}
         n = cfg.eval.images_per_prompt
         rows = [p for p in range(len(self.eval_prompts)) for _ in range(n)]
         # a pairwise scorer needs at least two images per prompt to compare
@@ -322,13 +330,21 @@ class T2ITrainer(RunLoop):
             artifacts.plot_rewards(self.out / "metrics.jsonl", self.out / "reward_curve.png")
 
     def save_final_model(self) -> None:
-        """`checkpoint.save_final_model`: the LoRA in diffusers format (`lora/`, and the EMA weights'
-        `lora_ema/`); full fine-tuning: none yet."""
-        if self.cfg.model.finetune == "lora":
-            if self.ema is not None and self.optimizer_step.total > 0:
-                with self._ema_weights():
-                    self.adapter.save_lora(self.out / "lora_ema")
-            self.adapter.save_lora(self.out / "lora")
+        """`checkpoint.save_final_model`: the LoRA in diffusers format (`lora/`; the EMA weights' in `lora_ema/`),
+        a full fine-tune as a diffusers model folder (`transformer/` or `unet/`; `<name>_ema/`). A sharded run
+        gathers the weights on rank 0 first (every rank calls this)."""
+        import contextlib
+
+        lora = self.cfg.model.finetune == "lora"
+        name = "lora" if lora else self.adapter.denoiser_name
+        exports = [(self.out / name, contextlib.nullcontext())]
+        if self.ema is not None and self.optimizer_step.total > 0:
+            exports.insert(0, (self.out / f"{name}_ema", self._ema_weights()))
+        for folder, weights in exports:
+            with weights:
+                state = full_state(self.adapter.denoiser, trainable_only=lora) if self.dist.sharded else None
+            if self.dist.is_main:
+                (self.adapter.save_lora if lora else self.adapter.save_denoiser)(folder, state=state)
 
     def close(self) -> None:
         self.rewards.close()

@@ -95,7 +95,10 @@ class Collector:
         local: list[tuple[int, Any, Any]] = []
         t_gen, t_rew, failure = 0.0, 0.0, None
         try:
-            for c in self.dist.my_chunks(len(chunks)):
+            mine = self.dist.my_chunks(len(chunks))
+            for _ in range(self.dist.passes_to_pad(len(mine))):  # sharded: every rank generates as often
+                self.generator.generate([self.data.prompt_ids[chunks[0][0]]], chunks[0][:1], seed=0)
+            for c in mine:
                 t0 = time.perf_counter()
                 rollout = self.generator.generate(
                     [self.data.prompt_ids[i] for i in chunks[c]], chunks[c], seed=self._chunk_seed(step, round_, c)

@@ -179,10 +179,12 @@ def seeded(seed: Optional[int], device: torch.device):
 class TransformersGenerator:
     """Samples with `model.generate` under the configured sampling settings (recorded in `settings`)."""
 
-    def __init__(self, model, tokenizer, cfg: GenerationConfig):
+    def __init__(self, model, tokenizer, cfg: GenerationConfig, synced: bool = False):
         from transformers import GenerationConfig as HFGenerationConfig
 
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
+        # a sharded model: every rank runs a forward per token until the last rank's sequences end
+        self.synced = synced
         self.pad_id = tokenizer.pad_token_id
         self.eos_ids = eos_token_ids(model, tokenizer)
         # A fresh generation config: the model's own defaults (top_k=50, repetition penalties...) do not leak in.
@@ -231,6 +233,7 @@ class TransformersGenerator:
                     attention_mask=mask.to(device),
                     generation_config=self.hf_config,
                     logits_processor=LogitsProcessorList([recorder]) if recorder else None,
+                    synced_gpus=self.synced,
                 )
                 tokens = out[:, ids.shape[1] :].cpu()
                 cmask, truncated = completion_mask(tokens, self.eos_ids)

@@ -250,4 +250,5 @@ def reference_policy(model, use_kl: bool) -> Optional[Callable[[], ContextManage
     def frozen_copy():
         yield frozen
 
+    frozen_copy.frozen = frozen  # type: ignore[attr-defined]  # a sharded run shards the copy too
     return frozen_copy

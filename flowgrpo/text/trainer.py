@@ -39,17 +39,20 @@ from ..checkpoint import Checkpoint, load_into
 from ..config import ConfigError
 from ..core import LossInputs, LossNormalizer, compute_advantages, policy_loss
 from ..metrics import TIME_KEY, LossMetrics
+from ..scaling.sharding import full_state
 from ..run import CheckpointParts, FirstPassCheck, OptimizerStep, PromptSampler, RunLoop, build_optimizer
 from .collect import Collector, ScoredBatch, group_batch
 from .config import TextConfig
 from .data import load_prompts
 from .generation import Rollout, TransformersGenerator, eos_token_ids
 from .logprobs import TokenLogprobs, micro_logprobs, shared_prompt_deviation
-from .models import load_policy, reference_policy, resolve_model_path, trainable_state
+from .models import is_peft, load_policy, reference_policy, resolve_model_path, trainable_state
 from .rewards import build_rewards
 from .rollout_correction import correction_weights, mismatch_metrics
 
 log = logging.getLogger(__name__)
+
+PAD_ROWS = torch.zeros(1, dtype=torch.long)  # the sequence a sharded run's padding passes run on
 
 SUSPECTS = (
     "The weights that score the batch do not reproduce the log-probs that sampled it (dropout on? "
@@ -83,6 +86,13 @@ class TextGRPOTrainer(RunLoop):
         self.cfg: TextConfig = config
         cfg = config
         self.tokenizer, self.model = load_policy(cfg.model)
+        self.use_kl = cfg.loss.kl.coef != 0
+        self.reference = reference_policy(self.model, self.use_kl)  # a frozen copy is taken before sharding
+        if self.dist.sharded:
+            self.dist.shard(self.model)
+            frozen = getattr(self.reference, "frozen", None)
+            if frozen is not None:
+                self.dist.shard(frozen)
         self.device = next(self.model.parameters()).device
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         try:
@@ -117,16 +127,18 @@ class TextGRPOTrainer(RunLoop):
         self.optimizer_step = OptimizerStep(
             self.params, self.optimizer, cfg.optim.max_grad_norm, self.dist, guard=self.guard
         )
-        self.use_kl = cfg.loss.kl.coef != 0
-        self.reference = reference_policy(self.model, self.use_kl)
         self.shared_prompt: Optional[bool] = None if cfg.train.shared_prompt == "auto" else cfg.train.shared_prompt
+        if self.dist.sharded:
+            # the shared-prompt path runs one or two forwards depending on the rows; every rank of a sharded
+            # run must run the same number, so it takes the plain forward (one per micro-batch)
+            self.shared_prompt = False
         if cfg.resume:
             self.resume()
 
     def _build_generator(self) -> Any:
         gen = self.cfg.generation
         if gen.backend == "transformers":
-            return TransformersGenerator(self.model, self.tokenizer, gen)
+            return TransformersGenerator(self.model, self.tokenizer, gen, synced=self.dist.sharded)
         from .vllm_backend import VLLMGenerator
 
         m = self.cfg.model
@@ -157,9 +169,13 @@ class TextGRPOTrainer(RunLoop):
         self.generator.sync_weights()
 
     def save_final_model(self) -> None:
+        """`final/`: the LoRA adapter (peft) or the whole model (transformers) and the tokenizer. A sharded run
+        gathers the weights on rank 0 first (every rank calls this)."""
         final = self.out / "final"
-        self.model.save_pretrained(str(final))
-        self.tokenizer.save_pretrained(str(final))
+        state = full_state(self.model, trainable_only=is_peft(self.model)) if self.dist.sharded else None
+        if self.dist.is_main:
+            self.model.save_pretrained(str(final), state_dict=state)
+            self.tokenizer.save_pretrained(str(final))
 
     def progress_postfix(self, record: dict[str, Any]) -> dict[str, str]:
         return {"reward": f"{record.get('reward_mean', math.nan):.3f}",
@@ -252,12 +268,14 @@ class TextGRPOTrainer(RunLoop):
             # does), and only a few sequences of this rank's first micro-batch are re-scored for the check
             mine = [m for k, m in enumerate(plan[0][0][1]) if k % self.dist.world_size == self.dist.rank]
             check_rows = mine[0][: cfg.ratio_check.rows] if mine else torch.zeros(0, dtype=torch.long)
-            if check_rows.numel():
-                with torch.no_grad():
+            with torch.no_grad():
+                if check_rows.numel():
                     check_logp = micro_logprobs(
                         self.model, rollout, check_rows, cfg.generation.temperature, shared_prompt=shared
                     ).logp
-                counts["nfe_nograd"] += check_rows.numel()
+                for _ in range(self.dist.passes_to_pad(int(check_rows.numel() > 0))):  # sharded: forward together
+                    micro_logprobs(self.model, rollout, PAD_ROWS, cfg.generation.temperature, shared_prompt=shared)
+            counts["nfe_nograd"] += check_rows.numel()
             checked_at[check_rows] = torch.arange(check_rows.numel())
         dev = self.device
         full = LossInputs(
@@ -284,9 +302,10 @@ class TextGRPOTrainer(RunLoop):
         for it, minis in enumerate(batch.plan):
             for mini, micros in minis:
                 norm = LossNormalizer.from_inputs(full.split(mini), const_len=cfg.generation.max_new_tokens)
-                for k, micro in enumerate(micros):
-                    if k % self.dist.world_size != self.dist.rank:
-                        continue
+                mine = [m for k, m in enumerate(micros) if k % self.dist.world_size == self.dist.rank]
+                for _ in range(self.dist.passes_to_pad(len(mine))):  # sharded: as many passes as the busiest rank
+                    self._padding_pass(batch, norm)
+                for micro in mine:
                     # entropy: for the loss (with grad), or as a metric of the first pass when no old pass gave it
                     ent_metric = batch.entropy is None and it == 0
                     scored = micro_logprobs(
@@ -333,6 +352,21 @@ class TextGRPOTrainer(RunLoop):
 
     # --- helpers of the update ------------------------------------------------------------------
 
+    def _padding_pass(self, batch: PreparedBatch, norm: LossNormalizer) -> None:
+        """A sharded run's extra forward / backward with a zero loss, so that every rank runs as many passes
+        (each gathers the blocks' shards from all ranks)."""
+        cfg = self.cfg
+        scored = micro_logprobs(
+            self.model, batch.rollout, PAD_ROWS, cfg.generation.temperature,
+            with_entropy=bool(cfg.loss.entropy_coef), entropy_grad=bool(cfg.loss.entropy_coef),
+            shared_prompt=bool(self.shared_prompt),
+        )  # fmt: skip
+        inputs = replace(
+            batch.full.split(PAD_ROWS), logp=scored.logp, logp_old=scored.logp.detach(),
+            entropy=scored.entropy if cfg.loss.entropy_coef else None,
+        )  # fmt: skip
+        policy_loss(inputs, cfg.loss, norm).loss.mul(0.0).backward()
+
     def _decide_shared_prompt(self, rollout: Rollout, record: dict[str, Any], counts: dict[str, int]) -> None:
         """train.shared_prompt auto: compare the shared-prompt and the plain forward on the first groups of
         the first batch; use the shared one when they agree to a tenth of the ratio-check tolerance."""
@@ -376,13 +410,16 @@ class TextGRPOTrainer(RunLoop):
         N = rollout.num_sequences
         blocks = [torch.arange(s, min(s + size, N)) for s in range(0, N, size)]
         local = []
+        mine = self.dist.my_chunks(len(blocks))
         with torch.no_grad():
-            for b in self.dist.my_chunks(len(blocks)):
+            for b in mine:
                 scored = micro_logprobs(
                     model, rollout, blocks[b], self.cfg.generation.temperature, with_entropy, shared_prompt=shared
                 )
                 ent = scored.entropy
                 local.append((b, scored.logp.cpu(), None if ent is None else ent.cpu()))
+            for _ in range(self.dist.passes_to_pad(len(mine))):  # sharded: forward together
+                micro_logprobs(model, rollout, PAD_ROWS, self.cfg.generation.temperature, shared_prompt=shared)
         counts["nfe_nograd"] += sum(lp.shape[0] for _, lp, _ in local)
         parts = sorted(self.dist.gather_objects(local), key=lambda item: item[0])
         logp = torch.cat([lp for _, lp, _ in parts])
