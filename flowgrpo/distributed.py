@@ -9,6 +9,10 @@ loss normaliser, and gradients are summed over ranks before the optimizer step. 
 
 Text side: the same scheme with chunks of prompts (each seeded by its chunk), the whole rollout
 gathered on every rank, and micro-batch k of every mini-batch on rank k % world_size.
+
+Sharded runs (an `accelerate launch` with configs/accelerate/fsdp2.yaml): the same split of the work, with the
+models sharded by FSDP2 (`Distributed.shard`), which sums the gradients in backward; every rank then runs as
+many forward / backward passes as the busiest one (`passes_to_pad`), since each pass gathers shards from all.
 """
 
 from __future__ import annotations
@@ -89,10 +93,13 @@ class Distributed:
         summed over ranks, not averaged: each rank's loss already carries the global normaliser."""
         from torch.distributed.fsdp import FSDPModule
 
-        from .scaling.sharding import shard_model
+        from .scaling.sharding import ShardingError, shard_model
 
         assert self.sharding is not None
-        shard_model(module, self.sharding)
+        try:
+            shard_model(module, self.sharding)
+        except ShardingError as err:  # e.g. a model whose blocks the accelerate config does not list
+            raise ConfigError(f"FSDP: {err} (fsdp_config.fsdp_transformer_layer_cls_to_wrap)") from None
         for m in module.modules():
             if isinstance(m, FSDPModule):
                 m.set_gradient_divide_factor(1.0)

@@ -341,10 +341,10 @@ class T2ITrainer(RunLoop):
         if self.ema is not None and self.optimizer_step.total > 0:
             exports.insert(0, (self.out / f"{name}_ema", self._ema_weights()))
         for folder, weights in exports:
-            with weights:
+            with weights:  # written inside: on one rank the gathered tensors are the live weights themselves
                 state = full_state(self.adapter.denoiser, trainable_only=lora) if self.dist.sharded else None
-            if self.dist.is_main:
-                (self.adapter.save_lora if lora else self.adapter.save_denoiser)(folder, state=state)
+                if self.dist.is_main:
+                    (self.adapter.save_lora if lora else self.adapter.save_denoiser)(folder, state=state)
 
     def close(self) -> None:
         self.rewards.close()

@@ -96,7 +96,8 @@ class Collector:
         t_gen, t_rew, failure = 0.0, 0.0, None
         try:
             mine = self.dist.my_chunks(len(chunks))
-            for _ in range(self.dist.passes_to_pad(len(mine))):  # sharded: every rank generates as often
+            # generate on a sharded policy gathers its blocks: every rank calls it as often (vLLM holds its own copy)
+            for _ in range(self.dist.passes_to_pad(len(mine)) if getattr(self.generator, "synced", False) else 0):
                 self.generator.generate([self.data.prompt_ids[chunks[0][0]]], chunks[0][:1], seed=0)
             for c in mine:
                 t0 = time.perf_counter()

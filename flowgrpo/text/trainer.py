@@ -172,7 +172,12 @@ class TextGRPOTrainer(RunLoop):
         """`final/`: the LoRA adapter (peft) or the whole model (transformers) and the tokenizer. A sharded run
         gathers the weights on rank 0 first (every rank calls this)."""
         final = self.out / "final"
-        state = full_state(self.model, trainable_only=is_peft(self.model)) if self.dist.sharded else None
+        state = None
+        if self.dist.sharded:
+            state = full_state(self.model, trainable_only=is_peft(self.model))
+            # tied weights (lm_head = embeddings) come back as two tensors: keep the name the model keeps
+            own = {n for n, _ in self.model.named_parameters()} | {n for n, _ in self.model.named_buffers()}
+            state = {k: v for k, v in state.items() if k in own}
         if self.dist.is_main:
             self.model.save_pretrained(str(final), state_dict=state)
             self.tokenizer.save_pretrained(str(final))

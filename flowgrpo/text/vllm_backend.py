@@ -13,11 +13,13 @@ biases the rollout-vs-training weights (the bias discussed in TRL issue #6789), 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Iterator, Optional, Sequence
 
 import torch
 
+from ..checkpoint import is_shard
 from .config import GenerationConfig
 from .generation import Rollout, completion_mask, eos_token_ids, finalize, left_pad, sampling_settings
 from .models import is_peft
@@ -44,13 +46,33 @@ def _engine_model(llm):
     )
 
 
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded (FSDP2) tensor gathered from every rank; a plain one as it is."""
+    return tensor.full_tensor() if is_shard(tensor) else tensor  # type: ignore[attr-defined]
+
+
 def _plain_weights(state: dict[str, torch.Tensor], adapter: str) -> Iterator[tuple[str, torch.Tensor]]:
     """A (merged) peft state dict under the plain model's names: no LoRA factors, no peft wrappers."""
     for name, tensor in state.items():
         if ".lora_" in name or ".original_module." in name:
             continue
         name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
-        yield name.replace(f".modules_to_save.{adapter}.", "."), tensor
+        yield name.replace(f".modules_to_save.{adapter}.", "."), _whole(tensor)
+
+
+@contextlib.contextmanager
+def merged_weights(model) -> Iterator[Iterator[tuple[str, torch.Tensor]]]:
+    """The policy's weights under the plain model's names, LoRA merged (peft's merge, undone on exit). A sharded
+    policy's are gathered one tensor at a time as they are read: every rank must read them all, in order."""
+    peft = is_peft(model)
+    if peft:
+        model.merge_adapter()
+    try:
+        state = model.state_dict()
+        yield _plain_weights(state, model.active_adapter) if peft else ((k, _whole(v)) for k, v in state.items())
+    finally:
+        if peft:
+            model.unmerge_adapter()
 
 
 class VLLMGenerator:
@@ -106,14 +128,8 @@ class VLLMGenerator:
         """Load the policy's current weights (LoRA merged) into the engine."""
         self._wake()  # a sleeping engine's weights are offloaded: write them once it is awake
         target = _engine_model(self.llm)
-        if is_peft(self.model):
-            self.model.merge_adapter()
-            try:  # load_weights copies the tensors, so the policy can be unmerged right after
-                target.load_weights(weights=_plain_weights(self.model.state_dict(), self.model.active_adapter))
-            finally:
-                self.model.unmerge_adapter()
-        else:
-            target.load_weights(weights=self.model.state_dict().items())
+        with merged_weights(self.model) as weights:  # load_weights copies them: the policy unmerges right after
+            target.load_weights(weights=weights)
         if hasattr(self.llm, "reset_prefix_cache"):
             self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 

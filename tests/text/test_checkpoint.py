@@ -168,3 +168,23 @@ def test_load_into_rejects_unknown_and_misshaped(tmp_path):
         ck.load_into(m, {"nope": torch.zeros(1)})
     with pytest.raises(ck.CheckpointError, match="shape"):
         ck.load_into(m, {"1.bias": torch.zeros(3)})
+
+
+def test_a_folder_moved_into_a_checkpoint_is_verified_like_its_files(tmp_path):
+    """A sharded run's `sharded/` folder (written by every rank beforehand) moves into the checkpoint before its
+    atomic rename; its files are in the manifest, so a damaged shard makes resume fall back."""
+    from flowgrpo.checkpoint import latest_checkpoint, save_checkpoint, verify_checkpoint
+
+    root = tmp_path / "ckpt"
+    for step in (1, 2):
+        staging = root / f".tmp-shards-{step}"
+        staging.mkdir(parents=True)
+        (staging / "shard-00001.safetensors").write_bytes(b"rank 0's shards %d" % step)
+        path = save_checkpoint(root, step, state={}, folders={"sharded": staging})
+        assert not staging.exists() and (path / "sharded" / "shard-00001.safetensors").is_file()
+        assert verify_checkpoint(path) == []
+        assert oct((path / "sharded").stat().st_mode & 0o700) == oct(0o700)  # a folder stays listable
+    (path / "sharded" / "shard-00001.safetensors").write_bytes(b"rank 0's shards X")
+    assert verify_checkpoint(path) == ["sharded/shard-00001.safetensors differs from what was saved (sha256)"]
+    with pytest.warns(UserWarning, match="damaged"):
+        assert latest_checkpoint(root, verify=True).name == "step_00000001"

@@ -399,3 +399,32 @@ def test_trainer_on_the_vllm_backend_learns_and_corrects_the_engine_mismatch(mon
     assert final.keys() == policy_state.keys()
     for name, tensor in final.items():
         assert torch.equal(policy_state[name], tensor), name
+
+
+def test_sync_weights_from_a_sharded_lora_policy(monkeypatch, tiny, tmp_path):
+    """FSDP2 (a process group of one, gloo): the engine gets whole, merged, plain tensors, the same as from
+    the unsharded policy, and the sharded policy is unmerged again."""
+    import torch.distributed as dist
+
+    from flowgrpo.scaling.sharding import shard_model
+
+    tok, model = tiny
+    policy = lora_policy(model)
+    merged = copy.deepcopy(policy).merge_and_unload().state_dict()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        shard_model(policy)
+        q_proj = policy.base_model.model.model.layers[0].self_attn.q_proj
+        assert type(q_proj.base_layer.weight).__name__ == "DTensor"
+        base_q = q_proj.base_layer.weight.full_tensor().clone()
+        gen, llm = make(monkeypatch, tok, policy)
+        gen.sync_weights()
+        loaded = llm.engine_model.loaded[-1]
+        assert [name for name, _ in loaded] == list(merged)
+        for name, t in loaded:
+            assert type(t) is torch.Tensor, name
+            torch.testing.assert_close(t, merged[name], rtol=0, atol=1e-6)
+        assert not q_proj.merged
+        torch.testing.assert_close(q_proj.base_layer.weight.full_tensor(), base_q, rtol=0, atol=1e-6)
+    finally:
+        dist.destroy_process_group()
