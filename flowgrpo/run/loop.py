@@ -189,7 +189,10 @@ class RunLoop:
         """Continue from the newest good checkpoint under the checkpoint folder (none: start at step 0). Damaged
         ones (sizes / hashes differ from the save) are skipped with a warning; a changed setting outside
         `resume_free` is refused (the checkpoint's optimizer and schedule would silently win over it)."""
-        path = latest_checkpoint(self.ckpt_dir, verify=True)
+        # rank 0 reads every file's hash (a sharded checkpoint holds all ranks' shards) and tells the others
+        path = latest_checkpoint(self.ckpt_dir, verify=True) if self.dist.is_main else None
+        if self.dist.active:
+            path = self.dist.gather_objects([path])[0]
         if path is None:
             log.info("resume: no checkpoint under %s; starting at %s 0", self.ckpt_dir, self.unit)
             return

@@ -28,14 +28,15 @@ import torch.distributed as dist
 from flowgrpo.atomic_io import fsync_dir, fsync_file, from_json, to_json
 
 # The transformer blocks of the models we train: SD3 / SD3.5 (MMDiT), FLUX.1 (double and single
-# stream), Qwen-Image, and Qwen2 / Qwen2.5 decoder layers (text policies). configs/accelerate/fsdp2.yaml
-# lists the same names.
+# stream), Qwen-Image, and the decoder layers of Qwen2 / Qwen2.5 and Llama (SmolLM2, Llama 3) text
+# policies. configs/accelerate/fsdp2.yaml lists the same names.
 BLOCK_CLASSES: tuple[str, ...] = (
     "JointTransformerBlock",
     "FluxTransformerBlock",
     "FluxSingleTransformerBlock",
     "QwenImageTransformerBlock",
     "Qwen2DecoderLayer",
+    "LlamaDecoderLayer",
 )
 
 _MODEL = "model."

@@ -20,6 +20,7 @@ FSDP2_BLOCKS = [
     "FluxSingleTransformerBlock",
     "QwenImageTransformerBlock",
     "Qwen2DecoderLayer",
+    "LlamaDecoderLayer",
 ]
 
 
@@ -89,13 +90,14 @@ def test_block_class_names_are_the_models_own():
         QwenImageTransformer2DModel,
         SD3Transformer2DModel,
     )
-    from transformers import Qwen2ForCausalLM
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
     import flowgrpo  # noqa: F401  (torchvision hook)
 
     declared = {
         n
-        for c in (SD3Transformer2DModel, FluxTransformer2DModel, QwenImageTransformer2DModel, Qwen2ForCausalLM)
+        for c in (SD3Transformer2DModel, FluxTransformer2DModel, QwenImageTransformer2DModel, Qwen2ForCausalLM,
+                  LlamaForCausalLM)
         for n in c._no_split_modules
     }
     assert declared == set(FSDP2_BLOCKS)
