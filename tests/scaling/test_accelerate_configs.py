@@ -96,8 +96,13 @@ def test_block_class_names_are_the_models_own():
 
     declared = {
         n
-        for c in (SD3Transformer2DModel, FluxTransformer2DModel, QwenImageTransformer2DModel, Qwen2ForCausalLM,
-                  LlamaForCausalLM)
+        for c in (
+            SD3Transformer2DModel,
+            FluxTransformer2DModel,
+            QwenImageTransformer2DModel,
+            Qwen2ForCausalLM,
+            LlamaForCausalLM,
+        )
         for n in c._no_split_modules
     }
     assert declared == set(FSDP2_BLOCKS)
