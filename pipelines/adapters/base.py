@@ -14,6 +14,7 @@ import abc
 import contextlib
 import dataclasses
 import importlib
+import json
 import os
 import re
 from collections import OrderedDict
@@ -346,19 +347,48 @@ class Adapter(abc.ABC):
             for p, flag in flags:
                 p.requires_grad_(flag)
 
-    def save_lora(self, path: str | os.PathLike, adapter_name: str = "default") -> str:
+    def save_lora(
+        self, path: str | os.PathLike, adapter_name: str = "default", state: dict[str, Tensor] | None = None
+    ) -> str:
         """Write `path/pytorch_lora_weights.safetensors` (+ LoraConfig as metadata, so alpha survives)
-        with diffusers' own writer: `<Pipeline>.load_lora_weights(path)` reads it."""
+        with diffusers' own writer: `<Pipeline>.load_lora_weights(path)` reads it. `state`: the denoiser's
+        weights gathered from a sharded run (default: read from the live model)."""
         from peft.utils import get_peft_model_state_dict
 
         if adapter_name not in getattr(self.denoiser, "peft_config", {}):
             raise ValueError(f"no LoRA adapter '{adapter_name}' on the {self.family} denoiser")
-        state = get_peft_model_state_dict(self.denoiser, adapter_name=adapter_name)
+        state = get_peft_model_state_dict(self.denoiser, state_dict=state, adapter_name=adapter_name)
         state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
         meta = self.denoiser.peft_config[adapter_name].to_dict()
         self._pipeline_cls().save_lora_weights(
             os.fspath(path),
             **{f"{self.denoiser_name}_lora_layers": state, f"{self.denoiser_name}_lora_adapter_metadata": meta},
+        )
+        return os.fspath(path)
+
+    def save_denoiser(self, path: str | os.PathLike, state: dict[str, Tensor] | None = None) -> str:
+        """A fully fine-tuned denoiser as a diffusers model folder (config.json + safetensors shards), which
+        `<Model>.from_pretrained(path)` and a pipeline's `<denoiser_name>=` argument load. `state`: the weights
+        gathered from a sharded run (default: the live model's)."""
+        from huggingface_hub import save_torch_state_dict
+
+        model = self.denoiser
+        # FSDP2 renames the class (FSDPSD3Transformer2DModel); the folder names the model class it came from
+        cls = next(
+            c for c in type(model).__mro__ if hasattr(c, "from_pretrained") and not c.__name__.startswith("FSDP")
+        )
+        model.save_config(path)
+        config_file = os.path.join(path, "config.json")
+        with open(config_file) as f:
+            config = json.load(f)
+        with open(config_file, "w") as f:
+            json.dump({**config, "_class_name": cls.__name__}, f, indent=2, sort_keys=True)
+        state = model.state_dict() if state is None else state
+        save_torch_state_dict(
+            {k: v.detach().contiguous() for k, v in state.items()},
+            os.fspath(path),
+            filename_pattern="diffusion_pytorch_model{suffix}.safetensors",
+            max_shard_size="10GB",
         )
         return os.fspath(path)
 
