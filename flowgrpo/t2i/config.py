@@ -182,6 +182,9 @@ class T2IConfig(StrictModel):
     group_size: int = Field(8, ge=2)
     prompts_per_iteration: int = Field(2, ge=1)
     rollout_prompts: int = Field(1, ge=1)  # prompts per rollout batch (its rewards overlap the next batch)
+    # parts each prompt's group is rolled out in, as separate batches of group_size / rollout_split images (each
+    # seeded by itself), so that a group can straddle ranks: 48 prompts x 24 images on 64 GPUs with 4 parts
+    rollout_split: int = Field(1, ge=1)
     rewards: list[RewardConfig] = Field(default_factory=lambda: [RewardConfig(name="brightness")])
     reward_workers: int = Field(2, ge=1)
     advantage: AdvantageConfig = Field(default_factory=lambda: AdvantageConfig(**DEFAULTS["advantage"]))
@@ -226,6 +229,8 @@ class T2IConfig(StrictModel):
             )
         est = self.advantage.estimator.name
         plan = self.plan.name
+        if self.rollout_split > 1 and (problem := _split_problem(self, est, plan)):
+            raise ValueError(f"rollout_split {self.rollout_split}: {problem}")
         needs = ESTIMATORS.get(est)  # the plan an estimator reads is declared where it is registered
         level = "per-step rewards" if "step_rewards" in needs.requires else "node rewards"
         if needs.plan and plan != needs.plan:
@@ -267,6 +272,22 @@ class T2IConfig(StrictModel):
         if self.adversarial.enabled and self.adversarial.reward not in labels:
             raise ValueError(f"adversarial.reward '{self.adversarial.reward}' is not among rewards {labels}")
         return self
+
+
+def _split_problem(cfg: T2IConfig, est: str, plan: str) -> Optional[str]:
+    """Why `rollout_split` cannot split this recipe's groups (None: it can)."""
+    k, G = cfg.rollout_split, cfg.group_size
+    if G % k:
+        return f"it must divide group_size {G}"
+    if cfg.rollout_prompts != 1:
+        return "a split group is rolled out one prompt at a time: set rollout_prompts 1"
+    if cfg.method != "grpo" or cfg.adversarial.enabled:
+        return "it needs method grpo without adversarial (DiffusionNFT and the discriminator read whole local groups)"
+    if plan not in ("full_sde", "window", "ode_only") or ESTIMATORS.get(est).plan:
+        return f"it needs a chain plan (full_sde, window) and a sample-level estimator, not '{plan}' / '{est}'"
+    if cfg.sampler.share_noise and (cfg.sampler.share_noise_size is None or (G // k) % cfg.sampler.share_noise_size):
+        return f"a shared initial noise must stay within a part: set sampler.share_noise_size to a divisor of {G // k}"
+    return None
 
 
 def load_t2i_config(path: Optional[str | Path] = None, overrides: Iterable[str] = ()) -> T2IConfig:

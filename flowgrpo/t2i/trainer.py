@@ -51,16 +51,18 @@ class T2ITrainer(RunLoop):
         self.eval_prompts = load_prompt_set(
             cfg.data.eval_prompts, cfg.data.eval_path, "data (eval)"
         ) or self.prompts.take(list(range(min(4, len(self.prompts)))))
-        chunks = cfg.prompts_per_iteration // cfg.rollout_prompts
+        chunks = cfg.prompts_per_iteration // cfg.rollout_prompts * cfg.rollout_split
         if chunks % self.dist.world_size:
             raise ConfigError(
-                f"prompts_per_iteration / rollout_prompts = {chunks} rollout batches must divide "
-                f"evenly over {self.dist.world_size} processes"
+                f"prompts_per_iteration / rollout_prompts x rollout_split = {chunks} rollout batches must divide "
+                f"evenly over {self.dist.world_size} processes (rollout_split lets a group straddle ranks)"
             )
         try:
             self.rewards = RewardStage(cfg.rewards, cfg.reward_workers)
         except (ValueError, KeyError) as err:
             raise ConfigError(f"rewards: {err}") from None
+        if self.rewards.has_pairwise and cfg.rollout_split > 1:
+            raise ConfigError("a pairwise reward compares a whole group's images: it needs rollout_split 1")
         if self.rewards.has_pairwise and "step_rewards" in ESTIMATORS.get(cfg.advantage.estimator.name).requires:
             raise ConfigError(
                 "a pairwise reward compares the final images of a group; the per-step estimator "
@@ -134,17 +136,19 @@ class T2ITrainer(RunLoop):
         """Roll out this rank's batches and score them on worker threads."""
         from pipelines.rollout import concat_trees
 
-        cfg, G = self.cfg, self.cfg.group_size
+        cfg, k = self.cfg, self.cfg.rollout_split
+        G = cfg.group_size // k  # images of a rollout batch per prompt: a part of the group when split
         Pc = cfg.rollout_prompts
-        n_chunks = cfg.prompts_per_iteration // Pc
+        n_chunks = cfg.prompts_per_iteration // Pc * k  # batch c: prompts of block c // k, part c % k
         mine = self.dist.my_chunks(n_chunks)
         trees, futures = [], []
         nfe0 = self.sampler.counters.as_dict()
         t0 = time.perf_counter()
         for c in mine:
             gen = torch.Generator().manual_seed(((cfg.seed * 1_000_003 + self.step) * 10_007 + c) % 2**63)
-            prompts = batch_prompts.prompts[c * Pc : (c + 1) * Pc]
-            meta = batch_prompts.metadata[c * Pc : (c + 1) * Pc]
+            b = c // k
+            prompts = batch_prompts.prompts[b * Pc : (b + 1) * Pc]
+            meta = batch_prompts.metadata[b * Pc : (b + 1) * Pc]
             with torch.no_grad(), self.method.rollout_policy() as policy:
                 tree = self.sampler.run(policy, prompts, plan, G, generator=gen)
             L = tree.leaves.shape[1]
@@ -198,12 +202,16 @@ class T2ITrainer(RunLoop):
             global_tree = concat_trees(skeleton)
         else:
             global_tree = local
+        if k > 1:  # the parts of a group are consecutive batches: one group of group_size leaves again
+            global_tree = replace(
+                global_tree, prompt=global_tree.prompt // k, leaves=global_tree.leaves.reshape(-1, cfg.group_size)
+            )
         return ScoredRollout(
             tree=local, global_tree=global_tree, leaf_values=gather([s.values[:n_leaf] for s in scored]),
             probe_values=gather([s.values[n_leaf:] for s in scored]) if trees[0].probe_latents is not None else None,
             preferences=gather([s.preferences for s in scored]),
             images=torch.cat([s.images for s in scored]) if keep_images else None,
-            prompts=[p for c in mine for p in batch_prompts.prompts[c * Pc:(c + 1) * Pc]],
+            prompts=[p for c in mine for p in batch_prompts.prompts[c // k * Pc:(c // k + 1) * Pc]],
             batch_prompts=batch_prompts, nodes_per_chunk=local.num_nodes // len(mine),
         )  # fmt: skip
 
@@ -242,7 +250,7 @@ class T2ITrainer(RunLoop):
             artifacts.save_grid(
                 rollout.images,
                 self.out / "grids" / f"rollout_{self.step + 1:06d}.png",
-                cfg.group_size,
+                cfg.group_size // cfg.rollout_split,
                 cfg.artifacts.grid_images,
             )
 

@@ -78,8 +78,8 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 @pytest.mark.parametrize(
     "recipe, extra",
-    [("flow_grpo", ()), ("dance_grpo", tuple(PUBLISHED_FLUX))],
-    ids=["flow_grpo", "dance_grpo_published"],
+    [("flow_grpo", ()), ("dance_grpo", tuple(PUBLISHED_FLUX)), ("flow_grpo", ("rollout_split=2",))],
+    ids=["flow_grpo", "dance_grpo_published", "groups_straddling_ranks"],  # split: half of each group per rank
 )
 def test_rollouts_and_advantages_match_to_the_last_bit(tmp_path, launch_ranks, recipe, extra):
     frozen = ["iterations=2", "optim.lr=0", f"train.micro_batch_size={MICRO}", *extra]
