@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -32,6 +33,8 @@ def _cmd_train_text(args: argparse.Namespace) -> int:
     except (DataError, RewardError) as err:
         print(f"flowgrpo: {err}", file=sys.stderr)
         return 2
+    if os.environ.get("RANK", "0") != "0":  # one summary per run, not one per process
+        return 0
     if history:
         first = history[0].get("reward_mean", math.nan)
         last = history[-1].get("reward_mean", math.nan)
@@ -53,6 +56,8 @@ def _cmd_train_t2i(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     config = load_t2i_config(args.config, args.overrides)
     history = train_t2i(config)
+    if os.environ.get("RANK", "0") != "0":  # one summary per run, not one per process
+        return 0
     if history:
         first = history[0].get("reward_mean", math.nan)
         last = history[-1].get("reward_mean", math.nan)
