@@ -71,10 +71,15 @@ def width_pruning(tree: RolloutTree, node_advantage: Tensor, keep_ratio: float =
         keep[ids[order[-n:]]] = True
         return keep
     group = tree.ancestors(ids)[:, split + 1]  # the last-split child each edge descends from
-    for g in torch.unique(group).tolist():  # groups are few (one per leaf chain); the ranking is vectorised
-        members = ids[group == g]
-        n = math.ceil(members.numel() * keep_ratio)
-        keep[members[torch.argsort(node_advantage[members].float(), descending=True, stable=True)[:n]]] = True
+    # Every group at once: by advantage (descending, ties in node order), then stably by group, so each
+    # group's edges are contiguous in its own ranking; keep the first ceil(size * keep_ratio) of each.
+    order = torch.argsort(adv, descending=True, stable=True)
+    order = order[torch.argsort(group[order], stable=True)]
+    _, sizes = torch.unique_consecutive(group[order], return_counts=True)
+    starts = torch.cumsum(sizes, 0) - sizes
+    quota = torch.tensor([math.ceil(n * keep_ratio) for n in sizes.tolist()], dtype=torch.long)
+    rank = torch.arange(ids.numel()) - starts.repeat_interleave(sizes)
+    keep[ids[order[rank < quota.repeat_interleave(sizes)]]] = True
     return keep
 
 

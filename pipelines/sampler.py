@@ -76,16 +76,14 @@ class _Nodes:
     """Growing node storage, appended one batch (one step) at a time."""
 
     parent: list = field(default_factory=list)
-    depth: list = field(default_factory=list)
     prompt: list = field(default_factory=list)
-    continues: list = field(default_factory=list)
     states: list = field(default_factory=list)
-    step: list = field(default_factory=list)
-    sde: list = field(default_factory=list)
-    trained: list = field(default_factory=list)
     logp: list = field(default_factory=list)
     std: list = field(default_factory=list)
     mean: list = field(default_factory=list)
+    # per batch: (rows, depth, continues, step index, sde, trained), one value for all its rows; the columns
+    # are filled once in `column` (a torch.full per batch and column costs more than the step's maths)
+    batches: list = field(default_factory=list)
     count: int = 0
 
     def add(
@@ -106,19 +104,20 @@ class _Nodes:
         ids = torch.arange(self.count, self.count + n)
         self.count += n
         self.parent.append(parent)
-        self.depth.append(torch.full((n,), depth, dtype=torch.long))
         self.prompt.append(prompt)
-        self.continues.append(torch.full((n,), continues))
         self.states.append(states.detach())
-        self.step.append(torch.full((n,), step_index, dtype=torch.long))
-        self.sde.append(torch.full((n,), sde))
-        self.trained.append(torch.full((n,), trained))
+        self.batches.append((n, depth, continues, step_index, sde, trained))
         self.logp.append(out.logp.detach().cpu() if out is not None else torch.full((n,), float("nan")))
         std = torch.zeros(n) if out is None else out.std.detach().float().reshape(-1).expand(n).cpu()
         self.std.append(std)
         if keep_mean:
             self.mean.append(out.mean.detach() if out is not None else torch.zeros_like(states, dtype=torch.float32))
         return ids
+
+    def column(self, k: int, dtype: torch.dtype) -> Tensor:
+        """Column k of `batches` (1 depth, 2 continues, 3 step index, 4 sde, 5 trained), one value per node."""
+        rows = torch.tensor([b[0] for b in self.batches], dtype=torch.long)
+        return torch.tensor([b[k] for b in self.batches], dtype=dtype).repeat_interleave(rows)
 
 
 class Sampler:
@@ -127,11 +126,38 @@ class Sampler:
     def __init__(self, config: Optional[SamplerConfig] = None):
         self.config = config or SamplerConfig()
         self.counters = Counters()
+        # Grids already built, by everything they depend on: diffusers' scheduler is slow to construct and
+        # every rollout of a run walks the same grid. Schedules are frozen; nothing writes into their tensors.
+        self._schedules: dict[tuple, Any] = {}
+        self._rows: Optional[tuple[Any, Tensor, Any]] = None  # (embeds, prompt ids, embeds.index(ids)) last used
 
     # --- kernels and schedule ------------------------------------------------------------------
 
     def schedule(self, adapter, plan: Optional[RolloutPlan] = None):
         """The sigma (or DDIM) grid of `num_steps`; with a plan that compresses its tail, the rebuilt grid."""
+        cfg = self.config
+        tail = None if plan is None or plan.tail is None else (plan.tail.start, plan.tail.points)
+        sc = adapter.scheduler_config
+        dynamic = (
+            adapter.prediction != "epsilon" and cfg.schedule.name == "scheduler" and sc.get("use_dynamic_shifting")
+        )
+        key = (
+            adapter.prediction,
+            repr(sorted(sc.items())),
+            adapter.image_seq_len(cfg.height, cfg.width) if dynamic else None,
+            cfg.num_steps,
+            cfg.schedule.name,
+            repr(sorted(cfg.schedule.settings.items())),
+            cfg.shift,
+            tail,
+        )
+        if key not in self._schedules:
+            if len(self._schedules) >= 32:
+                self._schedules.clear()
+            self._schedules[key] = self._build_schedule(adapter, plan)
+        return self._schedules[key]
+
+    def _build_schedule(self, adapter, plan: Optional[RolloutPlan]):
         base = self._grid(adapter)
         if plan is None or plan.tail is None:
             return base
@@ -196,7 +222,16 @@ class Sampler:
         else:
             self.counters.nfe_nograd += rows
         t = self._time(adapter, schedule, steps).to(x.device)
-        return adapter.model_output(x, t, embeds.index(prompt), self.config.guidance_scale, cfg_mode)
+        return adapter.model_output(x, t, self._index(embeds, prompt), self.config.guidance_scale, cfg_mode)
+
+    def _index(self, embeds, prompt: Tensor):
+        """embeds.index(prompt), reused while a rollout keeps the same rows (every step between branchings)."""
+        last = self._rows
+        if last is not None and last[0] is embeds and last[1] is prompt:
+            return last[2]
+        rows = embeds.index(prompt)
+        self._rows = (embeds, prompt, rows)
+        return rows
 
     # --- rollout ---------------------------------------------------------------------------------
 
@@ -314,6 +349,7 @@ class Sampler:
             )
             if cfg.decode == "last_x0" and i == plan.num_steps - 1:
                 last_x0 = out.x0_hat.to(x.dtype)
+        self._rows = None
         tree = self._assemble(nodes, frontier, frontier_prompt, P, plan.num_steps, probe_ids, probe_latents)
         if last_x0 is not None:
             order = torch.argsort(frontier_prompt, stable=True)  # the leaves' layout (_assemble)
@@ -366,13 +402,13 @@ class Sampler:
         leaves = frontier[order].view(P, -1)
         return RolloutTree(
             parent=cat(nodes.parent),
-            depth=cat(nodes.depth),
+            depth=nodes.column(1, torch.long),
             prompt=cat(nodes.prompt),
-            continues=cat(nodes.continues),
+            continues=nodes.column(2, torch.bool),
             states=cat(nodes.states),
-            edge_step=cat(nodes.step),
-            edge_sde=cat(nodes.sde),
-            edge_trained=cat(nodes.trained),
+            edge_step=nodes.column(3, torch.long),
+            edge_sde=nodes.column(4, torch.bool),
+            edge_trained=nodes.column(5, torch.bool),
             edge_logp=cat(nodes.logp),
             edge_std=cat(nodes.std),
             edge_mean=cat(nodes.mean) if nodes.mean else None,

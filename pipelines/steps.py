@@ -98,7 +98,7 @@ def step(
     else:
         if noise is None:
             noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=torch.float32)
-        x_next = law.mean + (noise_scale * law.std) * noise.float()
+        x_next = ((noise_scale * law.std) * noise.float()).add_(law.mean)  # = mean + that (addition commutes)
     x_next = x_next.to(x.dtype)
     return _output(law, x_next, x_next.detach())
 
@@ -147,6 +147,8 @@ def _logp(density: str, x_next: Tensor, mean: Tensor, std: Tensor) -> Tensor:
     # A zero std (a = 0, eta = 0, the last CPS step) is a deterministic step: logp 0, not NaN. The safe
     # std keeps NaN out of the unused branch, so gradients through torch.where stay finite.
     positive = std > 0
+    if bool(positive.all()):  # the usual case: both torch.where would return their first argument
+        return gaussian_logprob(x_next, mean, std)
     logp = gaussian_logprob(x_next, mean, torch.where(positive, std, torch.ones_like(std)))
     return torch.where(positive, logp, torch.zeros_like(logp))
 
@@ -200,6 +202,9 @@ def _require(ok: bool, what: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- kernels
+# The kernels write into the latent-sized temporaries they create (`.sub_`, `.mul_`, ...) where the written
+# tensor is neither an input nor saved for backward: the same operations in the same order (so the same
+# bits and gradients), fewer allocations, which cost more than the arithmetic at small batch sizes.
 
 
 @KERNELS.register("ode")
@@ -218,7 +223,7 @@ def flow_sde(x: Tensor, v: Tensor, schedule: FlowSchedule, i, *, a: float = 0.7)
     # At sigma = 1 the denominator uses sigmas[1] instead (Flow-GRPO's guard; numerator stays sigma).
     s_den = torch.where(s >= 1, schedule.sigmas[1].to(s), s)
     g2 = a**2 * s / (1 - s_den)
-    mean = x * (1 - g2 / (2 * s) * dt) - v * (1 + g2 * (1 - s) / (2 * s)) * dt
+    mean = (x * (1 - g2 / (2 * s) * dt)).sub_((v * (1 + g2 * (1 - s) / (2 * s))).mul_(dt))
     return Law(mean, torch.sqrt(g2 * dt), x - s * v, "gaussian")
 
 
@@ -229,8 +234,8 @@ def dance_sde(x: Tensor, v: Tensor, schedule: FlowSchedule, i, *, eta: float = 0
     s, s_next = _sigmas(schedule, i, x, "dance_sde")
     dt = s - s_next
     x0 = x - s * v
-    score = -(x - (1 - s) * x0) / s**2
-    mean = x - dt * v + 0.5 * eta**2 * score * dt
+    score = (x - (1 - s) * x0).neg_().div_(s**2)
+    mean = (x - dt * v).add_((0.5 * eta**2 * score).mul_(dt))
     return Law(mean, eta * torch.sqrt(dt), x0, "gaussian")
 
 
@@ -246,7 +251,7 @@ def cps(x: Tensor, v: Tensor, schedule: FlowSchedule, i, *, a: float = 0.8) -> L
     s, s_next = _sigmas(schedule, i, x, "cps")
     std = s_next * math.sin(a * math.pi / 2)
     x0, x1 = x - s * v, x + (1 - s) * v
-    mean = x0 * (1 - s_next) + x1 * torch.sqrt((s_next**2 - std**2).clamp(min=0))
+    mean = (x0 * (1 - s_next)).add_(x1.mul_(torch.sqrt((s_next**2 - std**2).clamp(min=0))))
     return Law(mean, std, x0, "cps")
 
 
@@ -297,10 +302,10 @@ def ddim(x: Tensor, model_output: Tensor, schedule: DDIMSchedule, i, *, eta: flo
     ab, ab_prev = _at(schedule.alpha_bar, i, x), _at(schedule.alpha_bar_prev, i, x)
     if schedule.prediction_type == "epsilon":
         eps = model_output
-        x0 = (x - (1 - ab).sqrt() * eps) / ab.sqrt()
+        x0 = (x - (1 - ab).sqrt() * eps).div_(ab.sqrt())
     else:  # v_prediction
         x0 = ab.sqrt() * x - (1 - ab).sqrt() * model_output
         eps = ab.sqrt() * model_output + (1 - ab).sqrt() * x
     std = eta * ((1 - ab_prev) / (1 - ab) * (1 - ab / ab_prev)).sqrt()
-    mean = ab_prev.sqrt() * x0 + (1 - ab_prev - std**2).sqrt() * eps
+    mean = (ab_prev.sqrt() * x0).add_((1 - ab_prev - std**2).sqrt() * eps)
     return Law(mean, std, x0, "gaussian")

@@ -21,6 +21,7 @@ class ImageBatch:
         self._tensor: torch.Tensor | None = None
         self._pil: list[Image.Image] | None = None
         self._parent: tuple[ImageBatch, slice] | None = None
+        self._finite: torch.Tensor | None = None  # finite(), computed once
         if isinstance(images, torch.Tensor):
             self._tensor = _check_tensor(images)
         elif isinstance(images, (list, tuple)) and all(isinstance(i, Image.Image) for i in images):
@@ -47,6 +48,7 @@ class ImageBatch:
         # A micro-batch asks its parent for PIL images, so the whole batch is converted once and
         # every scorer of a MultiReward reuses it.
         out._parent = (self, index)
+        out._finite = None
         return out
 
     @property
@@ -92,7 +94,9 @@ class ImageBatch:
         """Bool [B] on CPU: False where an image holds NaN/inf pixels (it cannot be scored)."""
         if self._tensor is None:
             return torch.ones(len(self), dtype=torch.bool)
-        return torch.isfinite(self._tensor.detach()).flatten(1).all(1).cpu()
+        if self._finite is None:  # read twice per scorer call (the mask, `sanitized`)
+            self._finite = torch.isfinite(self._tensor.detach()).flatten(1).all(1).cpu()
+        return self._finite
 
     def sanitized(self) -> "ImageBatch":
         """Non-finite images replaced by black so a batched forward stays finite; the caller

@@ -20,7 +20,13 @@ def gaussian_logprob(x: Tensor, mean: Tensor, std: Tensor | float) -> Tensor:
     """
     x, mean = x.float(), mean.float()
     s = _per_sample(std, x).float()
-    per_dim = -((x - mean) ** 2) / (2 * s**2) - torch.log(s) - 0.5 * math.log(2 * math.pi)
+    var2 = 2 * s**2
+    if var2.requires_grad:
+        per_dim = -((x - mean) ** 2) / var2 - torch.log(s) - 0.5 * math.log(2 * math.pi)
+    else:
+        # the same operations in the same order, the last four in place: each new latent-sized tensor costs
+        # more than its arithmetic here (none of them is saved for backward: pow saves its input)
+        per_dim = ((x - mean) ** 2).neg_().div_(var2).sub_(torch.log(s)).sub_(0.5 * math.log(2 * math.pi))
     return per_dim.flatten(1).mean(1)
 
 

@@ -10,6 +10,7 @@ Duplicate names raise; a typo gets the valid names and the closest match.
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional, TypeVar
@@ -33,11 +34,16 @@ class Entry:
     @property
     def settings(self) -> dict[str, Any]:
         """Keyword-only parameters and their defaults: what a config may set."""
+        return dict(self._settings)
+
+    @functools.cached_property
+    def _settings(self) -> dict[str, Any]:
+        # read once: check_settings runs on every sampler step, and inspect.signature is slow
         sig = inspect.signature(self.fn)
         return {p.name: p.default for p in sig.parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY}
 
     def check_settings(self, settings: Mapping[str, Any], where: str) -> None:
-        valid = self.settings
+        valid = self._settings
         for key in settings:
             if key not in valid:
                 raise ValueError(

@@ -47,7 +47,7 @@ class PromptEmbeds:
         return self.cond.shape[0]
 
     def _map(self, fn) -> "PromptEmbeds":
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values = {name: getattr(self, name) for name in _EMBED_FIELDS}
         return PromptEmbeds(**{k: None if t is None else fn(t) for k, t in values.items()})
 
     def index(self, idx: Any) -> "PromptEmbeds":
@@ -85,6 +85,9 @@ class PromptEmbeds:
         }
 
 
+_EMBED_FIELDS = tuple(f.name for f in dataclasses.fields(PromptEmbeds))
+
+
 class Adapter(abc.ABC):
     """One model family over its diffusers pipeline. See the module docstring."""
 
@@ -112,6 +115,9 @@ class Adapter(abc.ABC):
         self.max_sequence_length = max_sequence_length or self.default_max_sequence_length
         self.prompt_cache_size = prompt_cache_size
         self._cache: OrderedDict[str, dict[str, Tensor]] = OrderedDict()
+        # encode_prompts results while the cache keeps the same rows (a rollout and its update ask for the
+        # same batch several times); emptied whenever a row is encoded, evicted or moved
+        self._stacked: dict[tuple[tuple[str, ...], str], PromptEmbeds] = {}
         for module in pipe.components.values():
             if isinstance(module, torch.nn.Module):
                 module.requires_grad_(False)  # only LoRA parameters are ever trained
@@ -147,6 +153,7 @@ class Adapter(abc.ABC):
         """Move every component (dtype is chosen at construction: a cast here would also cast LoRA)."""
         self.pipe.to(device)
         self._cache.clear()  # cached rows live on the old device
+        self._stacked.clear()
         return self
 
     def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
@@ -188,7 +195,14 @@ class Adapter(abc.ABC):
         if isinstance(prompts, str):
             raise TypeError("prompts must be a list of strings, not a single string")
         wanted = list(dict.fromkeys([*prompts, negative_prompt]))
+        key = (tuple(prompts), negative_prompt)
         missing = [p for p in wanted if p not in self._cache]
+        if not missing and key in self._stacked:
+            for p in wanted:
+                self._cache.move_to_end(p)
+            return self._stacked[key]
+        if missing or len(self._stacked) >= 16:
+            self._stacked.clear()
         for start in range(0, len(missing), self.encode_batch_size):
             chunk = missing[start : start + self.encode_batch_size]
             rows = self._encode(chunk)
@@ -203,7 +217,8 @@ class Adapter(abc.ABC):
         uncond = _stack([self._cache[negative_prompt]] * len(prompts))
         while len(self._cache) > max(self.prompt_cache_size, len(wanted)):
             self._cache.popitem(last=False)
-        return PromptEmbeds(
+            self._stacked.clear()
+        embeds = PromptEmbeds(
             cond=cond["embeds"],
             uncond=uncond["embeds"],
             pooled=cond.get("pooled"),
@@ -211,6 +226,9 @@ class Adapter(abc.ABC):
             mask=cond.get("mask"),
             uncond_mask=uncond.get("mask"),
         )
+        if not torch.is_inference_mode_enabled():  # inference tensors could not be reused with grad
+            self._stacked[key] = embeds
+        return embeds
 
     @abc.abstractmethod
     def _encode(self, texts: list[str]) -> dict[str, Tensor]:
