@@ -202,3 +202,18 @@ def test_accelerate_launch_with_the_shipped_fsdp2_file(tmp_path, script, config,
     ckpt = sorted((out / "checkpoints").iterdir())[-1]
     assert len(list((ckpt / "sharded").glob("*.safetensors"))) == 2  # each rank wrote its own shards
     assert len(_records(out)) == 2
+
+
+def test_text_trainer_resumes_a_sharded_checkpoint_on_another_world_size(launch, tmp_path):
+    """Saved on 2 sharded ranks, resumed on 1: step 2 generates from exactly the saved weights (the same
+    tokens and rewards as the uninterrupted 2-rank run) and scores them to float32 rounding."""
+    args = [str(ROOT / "configs/text/tiny_pattern.yaml"), "progress=false", "steps=2", "checkpoint.every=1"]
+    launch("train_text.py", [*args, f"output_dir={tmp_path / 'resumed'}", "stop_after=1"], 2)
+    assert (tmp_path / "resumed/checkpoints/step_00000001/sharded").is_dir()
+    launch("train_text.py", [*args, f"output_dir={tmp_path / 'resumed'}", "resume=true"], 1)
+    launch("train_text.py", [*args, f"output_dir={tmp_path / 'straight'}"], 2)
+    got, want = _records(tmp_path / "resumed")[1], _records(tmp_path / "straight")[1]
+    assert got["iteration"] == want["iteration"] == 2
+    for key in ("reward_mean", "tokens/generated", "completions/mean_length"):
+        assert got[key] == want[key], key
+    assert got["loss/policy"] == pytest.approx(want["loss/policy"], rel=1e-5)
