@@ -5,7 +5,7 @@ sample's noise never depends on the number of processes. Rewards are gathered pe
 computes the same advantages over the whole batch (group and batch statistics are global). The trained
 edges keep their global order; each rank back-propagates the edges of its own batches with the global
 loss normaliser, and gradients are summed over ranks before the optimizer step. Launched by
-`accelerate launch` / torchrun (env RANK, WORLD_SIZE, MASTER_ADDR); gloo on CPU, nccl on GPU.
+`accelerate launch` / torchrun (env RANK, WORLD_SIZE, MASTER_ADDR); gloo on CPU, nccl (+ gloo for CPU tensors) on GPU.
 
 Text side: the same scheme with chunks of prompts (each seeded by its chunk), the whole rollout
 gathered on every rank, and micro-batch k of every mini-batch on rank k % world_size.
@@ -77,7 +77,9 @@ class Distributed:
             if torch.cuda.is_available():
                 # one GPU per process: collectives and `device: auto` use this rank's GPU
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            # on GPUs NCCL moves CUDA tensors (gradients, FSDP shards) and gloo the small CPU ones the trainers
+            # gather (rewards, counts, loss normalisers): NCCL alone refuses CPU tensors
+            backend = "cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo"
             if world <= 1:  # FSDP2 on one process (a sharded run resumed on one GPU): a group of one
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
             else:
