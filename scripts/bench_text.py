@@ -21,9 +21,12 @@ Contenders:
 
 Each contender runs `--rounds` times (a fresh trainer each round, the order rotated between rounds,
 so a change of machine load hits all of them alike); the first `--warmup` steps of every round are
-left out. Reported: seconds per step (median and mean over measured steps), completion tokens per
-second, the ratio TRL / ours (> 1: ours is faster), and where the time goes (our phase timers;
-TRL's own profiling timers, captured from `trl.extras.profiling`).
+left out. Reported: seconds per step (median and mean over measured steps; wall and the process's
+CPU seconds), completion tokens per second, ours / TRL per round (< 1: ours is faster; the median
+over rounds and the min-max: each round's two medians were taken minutes apart at most, so load
+changes between rounds cancel out of the ratio; `--contenders` picks which of ours run), and where
+the time goes in the same four phases for both (generate / logprob / reward / train: our phase
+timers; TRL's own profiling timers, captured from `trl.extras.profiling`).
 
 Writes --json (default docs/bench_text.json) and the section "## Text trainer vs TRL GRPOTrainer"
 of --markdown (default docs/benchmarks.md; created with a "# Benchmarks" heading if missing; other
@@ -37,7 +40,6 @@ import datetime as dt
 import json
 import os
 import platform
-import re
 import statistics
 import sys
 import tempfile
@@ -59,8 +61,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import flowgrpo  # noqa: E402,F401  (first: its import hooks make transformers / TRL importable on a CPU torch)
+from bench_text_report import LABELS, markdown, reading, round_ratios, summarize, write_section  # noqa: E402
 
-SECTION = "## Text trainer vs TRL GRPOTrainer"
 SIZES = {  # name -> tiny Qwen2 settings
     "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128),
     "small": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512),
@@ -128,14 +130,15 @@ def run_ours(args, size: str, variant: str, out_dir: Path) -> list[dict]:
     steps = []
     for i in range(args.warmup + args.steps):
         _sync(args.device)
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         rec = trainer.train_step()
         _sync(args.device)
-        seconds = time.perf_counter() - t0
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
         if i >= args.warmup:
             steps.append(
                 {
                     "seconds": seconds,
+                    "cpu_seconds": cpu,
                     "tokens": rec["tokens/generated"],
                     "phases": {name: rec[k] for k, name in PHASES.items() if k in rec},
                     "reward": rec["reward_mean"],
@@ -213,20 +216,20 @@ def run_trl(args, size: str, out_dir: Path) -> list[dict]:
 
     class StepTimer(TrainerCallback):
         def __init__(self):
-            self.steps, self.t0, self.mark = [], 0.0, 0
+            self.steps, self.t0, self.c0, self.mark = [], 0.0, 0.0, 0
 
         def on_step_begin(self, args_, state, control, **kwargs):
             _sync(args.device)
             self.mark = len(_TRL_TIMERS)
-            self.t0 = time.perf_counter()
+            self.c0, self.t0 = time.process_time(), time.perf_counter()
 
         def on_step_end(self, args_, state, control, **kwargs):
             _sync(args.device)
-            seconds = time.perf_counter() - self.t0
+            seconds, cpu = time.perf_counter() - self.t0, time.process_time() - self.c0
             phases = defaultdict(float)
             for name, d in _TRL_TIMERS[self.mark :]:
                 phases[name.split(".", 1)[-1]] += d
-            self.steps.append({"seconds": seconds, "phases": dict(phases)})
+            self.steps.append({"seconds": seconds, "cpu_seconds": cpu, "phases": dict(phases)})
 
         def on_log(self, args_, state, control, logs=None, **kwargs):
             if logs and "completions/mean_length" in logs and self.steps:
@@ -290,127 +293,6 @@ def versions() -> dict:
     return out
 
 
-def summarize(steps: list[dict]) -> dict:
-    secs = [s["seconds"] for s in steps]
-    toks = [s.get("tokens", float("nan")) for s in steps]
-    phases = defaultdict(list)
-    for s in steps:
-        for k, v in s["phases"].items():
-            phases[k].append(v)
-    return {
-        "measured_steps": len(steps),
-        "seconds_per_step_median": statistics.median(secs),
-        "seconds_per_step_mean": statistics.fmean(secs),
-        "seconds_per_step_min": min(secs),
-        "seconds_per_step_max": max(secs),
-        "tokens_per_step_mean": statistics.fmean(toks),
-        "tokens_per_second": sum(toks) / sum(secs),
-        "phases_mean_seconds": {k: statistics.fmean(v) for k, v in sorted(phases.items())},
-        "steps": steps,
-    }
-
-
-def markdown(result: dict) -> str:
-    cfg, mach, ver = result["config"], result["machine"], result["versions"]
-    lines = [
-        SECTION,
-        "",
-        f"`python scripts/bench_text.py {result['argv']}`".replace(" `", "`")
-        if result["argv"]
-        else "`python scripts/bench_text.py`",
-        "",
-        f"- date (UTC): {result['date']}",
-        f"- machine: {mach['cpu']}, {mach['logical_cpus']} logical CPUs, torch threads {mach['torch_threads']}"
-        + (f", GPU {mach['gpu']}" if mach.get("gpu") else "")
-        + f"; device `{cfg['device']}`",
-        f"- load average before / after: {result['load_before']} / {result['load_after']}"
-        " (other jobs on the machine slow every contender alike; rounds alternate the order)",
-        "- versions: " + ", ".join(f"{k} {v}" for k, v in ver.items() if v),
-        f"- work per step: {cfg['prompts']} prompts x {cfg['group_size']} completions x up to "
-        f"{cfg['max_new_tokens']} tokens, loss `{cfg['loss']}`, no KL, 1 optimizer step, fp32; "
-        f"{cfg['rounds']} rounds x {cfg['steps']} measured steps after {cfg['warmup']} warm-up step(s) per round",
-        "",
-        "| model | trainer | s/step (median) | s/step (mean) | tokens/s | TRL / this (median s/step) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for size, runs in result["results"].items():
-        params = result["params"][size]
-        trl = runs["trl"]["seconds_per_step_median"]
-        for name, label in (
-            ("ours_matched", "ours (matched)"),
-            ("ours_default", "ours (default, + on-policy check)"),
-            ("ours_plain", "ours (matched, shared prompt off)"),
-            ("trl", "TRL GRPOTrainer"),
-        ):
-            r = runs[name]
-            ratio = trl / r["seconds_per_step_median"]
-            lines.append(
-                f"| {size} ({params / 1e6:.2f} M) | {label} | {r['seconds_per_step_median']:.3f} | "
-                f"{r['seconds_per_step_mean']:.3f} | {r['tokens_per_second']:.0f} | "
-                f"{'-' if name == 'trl' else f'{ratio:.2f}x'} |"
-            )
-    lines += ["", "Where the time goes (mean seconds per measured step):", ""]
-    for size, runs in result["results"].items():
-        for name in ("ours_matched", "ours_default", "ours_plain", "trl"):
-            phases = runs[name]["phases_mean_seconds"]
-            if name == "trl":  # the nested timers TRL reports that say most
-                keep = [
-                    k
-                    for k in phases
-                    if k in ("_prepare_inputs", "transformers.generate", "compute_loss", "_calculate_rewards")
-                ]
-                phases = {k: phases[k] for k in keep}
-            text = ", ".join(f"{k} {v:.3f}" for k, v in phases.items())
-            lines.append(f"- {size}, {name}: step {runs[name]['seconds_per_step_mean']:.3f} = {text}")
-    if result.get("notes"):
-        lines += ["", *result["notes"]]
-    return "\n".join(lines) + "\n"
-
-
-def reading(results: dict, params: dict) -> list[str]:
-    """The paragraph under the tables, from the numbers of this run."""
-    out = ["Reading:", ""]
-    for size, runs in results.items():
-        m, d, pl, t = (runs[c] for c in ("ours_matched", "ours_default", "ours_plain", "trl"))
-        gen_ours, gen_trl = (
-            m["phases_mean_seconds"]["generate"],
-            t["phases_mean_seconds"].get("transformers.generate", 0),
-        )
-        rest_trl = t["seconds_per_step_mean"] - t["phases_mean_seconds"].get("_prepare_inputs", 0)
-        out.append(
-            f"- {size} ({params[size] / 1e6:.2f} M parameters): ours {m['speedup_vs_trl']:.2f}x TRL's speed "
-            f"(median s/step; {d['speedup_vs_trl']:.2f}x with the on-policy check). Generation is the same "
-            f"`model.generate` in both ({gen_ours:.3f} vs {gen_trl:.3f} s, "
-            f"{100 * gen_ours / m['seconds_per_step_mean']:.0f}% of our step). The update (forward + backward + "
-            f"AdamW) takes {m['phases_mean_seconds']['train']:.3f} s in ours, "
-            f"{pl['phases_mean_seconds']['train']:.3f} s with the shared-prompt forward off, and "
-            f"{rest_trl:.3f} s in TRL (its step minus `_prepare_inputs`, which holds generation and scoring). "
-            f"The on-policy check costs {d['phases_mean_seconds'].get('logprob', 0):.3f} s a step."
-        )
-    out += [
-        "- So: where the model compute is the same (generation; the update with the shared-prompt forward off) "
-        "the two trainers take the same time, and the difference is our update running each distinct prompt "
-        "once per micro-batch instead of once per completion (the gain grows with prompt length and group "
-        "size; here prompts are ~25 tokens, completions up to 64, G = 8) plus less per-step Python work "
-        "(what separates the tiny model's rows).",
-        "- CPU, tiny random models, 2 shared cores: the ratios say which trainer does less work per step; "
-        "absolute seconds are indicative only. Not measured here: GPUs, real model sizes, vLLM generation.",
-    ]
-    return out
-
-
-def write_section(path: Path, section: str) -> None:
-    """Replace (or append) only our section of the markdown file; create it with a '# Benchmarks' heading."""
-    text = path.read_text() if path.is_file() else "# Benchmarks\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}[ \t]*\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda m: section + "\n", text, count=1)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text.rstrip("\n") + "\n")
-
-
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="tiny,small", help=f"comma list of {sorted(SIZES)}")
@@ -425,6 +307,11 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--device", default="cpu", help="cpu | cuda")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--contenders",
+        default="ours_matched,ours_default,ours_plain,trl",
+        help="comma list of ours_matched, ours_default, ours_plain, trl (trl is always run)",
+    )
     p.add_argument("--json", default=str(ROOT / "docs" / "bench_text.json"))
     p.add_argument("--markdown", default=str(ROOT / "docs" / "benchmarks.md"))
     args = p.parse_args(argv)
@@ -440,7 +327,7 @@ def main(argv=None) -> dict:
 
     load_before = [round(x, 2) for x in os.getloadavg()]
     results, params = {}, {}
-    contenders = ["ours_matched", "ours_default", "ours_plain", "trl"]
+    contenders = [c for c in LABELS if c in args.contenders.split(",") or c == "trl"]
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes.split(","):
             from flowgrpo.text.config import TinyModelConfig
@@ -466,7 +353,13 @@ def main(argv=None) -> dict:
                         f"{statistics.median(s['seconds'] for s in steps[c][-args.steps :]):.3f} s/step",
                         flush=True,
                     )
-            results[size] = {c: summarize(steps[c]) for c in contenders}
+            results[size] = {c: summarize(steps[c], trl=c == "trl") for c in contenders}
+            for c in contenders:
+                if c != "trl":
+                    results[size][c]["ratio_vs_trl"] = {
+                        kind: round_ratios(steps[c], steps["trl"], args.steps, key)
+                        for kind, key in (("wall", "seconds"), ("cpu", "cpu_seconds"))
+                    }
     load_after = [round(x, 2) for x in os.getloadavg()]
     result = {
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M"),
@@ -480,17 +373,21 @@ def main(argv=None) -> dict:
         "results": results,
     }
     for runs in results.values():
-        for c in ("ours_matched", "ours_default", "ours_plain"):
-            runs[c]["speedup_vs_trl"] = runs["trl"]["seconds_per_step_median"] / runs[c]["seconds_per_step_median"]
+        for c in runs:
+            if c != "trl":
+                runs[c]["speedup_vs_trl"] = runs["trl"]["seconds_per_step_median"] / runs[c]["seconds_per_step_median"]
     result["notes"] = reading(results, params)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     write_section(Path(args.markdown), markdown(result))
     for size, runs in results.items():
-        print(
-            f"{size}: TRL / ours (matched) = {runs['ours_matched']['speedup_vs_trl']:.2f}x, "
-            f"TRL / ours (default) = {runs['ours_default']['speedup_vs_trl']:.2f}x"
-        )
+        for c in runs:
+            if c != "trl":
+                w, cp = runs[c]["ratio_vs_trl"]["wall"], runs[c]["ratio_vs_trl"]["cpu"]
+                print(
+                    f"{size}: {c} / TRL = {w['median']:.2f}x wall ({w['min']:.2f}-{w['max']:.2f}), "
+                    f"{cp['median']:.2f}x CPU ({cp['min']:.2f}-{cp['max']:.2f})"
+                )
     return result
 
 

@@ -64,7 +64,11 @@ def _shared_prompt_logits(
     width = max(int(cmask.sum(1).max()), 1)
     if width == 1:
         return first, width
-    cache = out_p.past_key_values
+    # the cache argument's name: `cache` (transformers >= 5.x), `past_key_values` before; the output says which
+    cache_arg = "cache"
+    cache = getattr(out_p, "cache", None)
+    if cache is None:
+        cache_arg, cache = "past_key_values", out_p.past_key_values
     cache.batch_select_indices(where_d)  # repeat each prompt's cache for its rows
     attn = torch.cat([mask_p[where], cmask[:, : width - 1].long()], 1)
     pos = mask_p.sum(1)[where].unsqueeze(1) + torch.arange(width - 1).unsqueeze(0)
@@ -72,8 +76,8 @@ def _shared_prompt_logits(
         input_ids=rollout.completion_ids[rows, : width - 1].to(device),
         attention_mask=attn.to(device),
         position_ids=pos.to(device),
-        past_key_values=cache,
         use_cache=True,
+        **{cache_arg: cache},
     )
     return torch.cat([first, out_c.logits], 1), width
 
