@@ -136,17 +136,17 @@ class T2ITrainer(RunLoop):
         """Roll out this rank's batches and score them on worker threads."""
         from pipelines.rollout import concat_trees
 
-        cfg, k = self.cfg, self.cfg.rollout_split
-        G = cfg.group_size // k  # images of a rollout batch per prompt: a part of the group when split
+        cfg, split = self.cfg, self.cfg.rollout_split
+        G = cfg.group_size // split  # images of a rollout batch per prompt: a part of the group when split
         Pc = cfg.rollout_prompts
-        n_chunks = cfg.prompts_per_iteration // Pc * k  # batch c: prompts of block c // k, part c % k
+        n_chunks = cfg.prompts_per_iteration // Pc * split  # batch c: prompts of block c // split, part c % split
         mine = self.dist.my_chunks(n_chunks)
         trees, futures = [], []
         nfe0 = self.sampler.counters.as_dict()
         t0 = time.perf_counter()
         for c in mine:
             gen = torch.Generator().manual_seed(((cfg.seed * 1_000_003 + self.step) * 10_007 + c) % 2**63)
-            b = c // k
+            b = c // split
             prompts = batch_prompts.prompts[b * Pc : (b + 1) * Pc]
             meta = batch_prompts.metadata[b * Pc : (b + 1) * Pc]
             with torch.no_grad(), self.method.rollout_policy() as policy:
@@ -202,16 +202,16 @@ class T2ITrainer(RunLoop):
             global_tree = concat_trees(skeleton)
         else:
             global_tree = local
-        if k > 1:  # the parts of a group are consecutive batches: one group of group_size leaves again
+        if split > 1:  # the parts of a group are consecutive batches: one group of group_size leaves again
             global_tree = replace(
-                global_tree, prompt=global_tree.prompt // k, leaves=global_tree.leaves.reshape(-1, cfg.group_size)
+                global_tree, prompt=global_tree.prompt // split, leaves=global_tree.leaves.reshape(-1, cfg.group_size)
             )
         return ScoredRollout(
             tree=local, global_tree=global_tree, leaf_values=gather([s.values[:n_leaf] for s in scored]),
             probe_values=gather([s.values[n_leaf:] for s in scored]) if trees[0].probe_latents is not None else None,
             preferences=gather([s.preferences for s in scored]),
             images=torch.cat([s.images for s in scored]) if keep_images else None,
-            prompts=[p for c in mine for p in batch_prompts.prompts[c // k * Pc:(c // k + 1) * Pc]],
+            prompts=[p for c in mine for p in batch_prompts.prompts[c // split * Pc:(c // split + 1) * Pc]],
             batch_prompts=batch_prompts, nodes_per_chunk=local.num_nodes // len(mine),
         )  # fmt: skip
 
