@@ -52,6 +52,11 @@ def is_shard(t: Any) -> bool:
     return type(t).__name__ == "DTensor"
 
 
+def local_part(t: Any) -> Any:
+    """This rank's shard of a sharded tensor; a plain tensor as it is."""
+    return t.to_local() if is_shard(t) else t
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be read or does not match what it is loaded into."""
 

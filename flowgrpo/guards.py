@@ -24,6 +24,7 @@ from typing import Any, Iterable
 import torch
 from pydantic import Field
 
+from .checkpoint import local_part
 from .core import StrictModel
 
 log = logging.getLogger(__name__)
@@ -84,8 +85,7 @@ class NonFiniteGuard:
     def weights(self, params: Iterable[torch.Tensor], index: int) -> None:
         """Raise when a weight is non-finite after a step (finite gradients can still overflow a weight)."""
         for p in params:
-            local = p.to_local() if hasattr(p, "to_local") else p  # a sharded weight: this rank's shard
-            if not bool(torch.isfinite(local.detach()).all()):
+            if not bool(torch.isfinite(local_part(p).detach()).all()):  # a sharded weight: this rank's shard
                 raise NonFiniteError(
                     f"{self.unit} {index}: a weight became NaN / inf after an optimizer step; "
                     "stopped before saving it (the last checkpoint holds finite weights). Lower "

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import CheckpointError, is_shard
+from ..checkpoint import CheckpointError, is_shard, local_part
 
 if TYPE_CHECKING:
     from .loop import CheckpointParts
@@ -45,9 +45,7 @@ def without_shards(parts: CheckpointParts) -> CheckpointParts:
 
 def all_finite(tensors: dict[str, torch.Tensor]) -> bool:
     """Whether this rank's shards are finite (the caller reduces the answer over ranks)."""
-    from torch.distributed.tensor import DTensor
-
-    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors.values()]
+    local = [local_part(t) for t in tensors.values()]
     return all(bool(torch.isfinite(t).all()) for t in local if t.is_floating_point())
 
 

@@ -73,6 +73,7 @@ class GRPOMethod(Method):
         metrics = LossMetrics()
         check = FirstPassCheck(cfg.ratio_check.enabled, cfg.ratio_check.tolerance)
         on_policy, backwards, padding = True, 0, 0
+        pad: EdgeBatch | None = None  # a sharded run's padding edge, found the first time one is needed
         for epoch in range(cfg.train.inner_epochs):
             order = edge_order(E, cfg.seed, t.step, epoch, cfg.train.shuffle)
             for mini in order.chunk(cfg.train.mini_batches) if E else []:
@@ -81,7 +82,7 @@ class GRPOMethod(Method):
                 norm = t.dist.reduce_normalizer(LossNormalizer.from_inputs(part.inputs()))
                 micros = torch.arange(local_ids.numel()).split(cfg.train.micro_batch_size)
                 for _ in range(t.dist.passes_to_pad(len(micros))):  # sharded: as many passes as the busiest rank
-                    pad = self._padding_batch(t, credit, rollout)
+                    pad = pad if pad is not None else self._padding_batch(t, credit, rollout)
                     self.objective(t.adapter, tree, pad, rollout.prompts, norm).output.loss.mul(0.0).backward()
                     padding += 1
                 for micro in micros:
