@@ -13,6 +13,9 @@ gathered on every rank, and micro-batch k of every mini-batch on rank k % world_
 Sharded runs (an `accelerate launch` with configs/accelerate/fsdp2.yaml): the same split of the work, with the
 models sharded by FSDP2 (`Distributed.shard`), which sums the gradients in backward; every rank then runs as
 many forward / backward passes as the busiest one (`passes_to_pad`), since each pass gathers shards from all.
+ZeRO runs (deepspeed_zero1.yaml / deepspeed_zero2.yaml): the same split; the optimizer step goes through a
+DeepSpeed engine (flowgrpo.scaling.zero, built by `OptimizerStep`), whose backward reduces gradient buckets, so
+every rank runs as many backward passes too (`lockstep`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from .config import ConfigError
 
 if TYPE_CHECKING:
     from .scaling.sharding import ShardingConfig
+    from .scaling.zero import ZeroConfig
 
 
 # `accelerate launch` exports these to every rank for an FSDP / DeepSpeed config (accelerate/utils/launch.py)
@@ -39,16 +43,24 @@ def _env_true(env: Mapping[str, str], var: str) -> bool:
     return env.get(var, "").strip().lower() in {"1", "true", "t", "yes", "y", "on"}
 
 
+def zero_from_launch(environ: Mapping[str, str] | None = None) -> Optional["ZeroConfig"]:
+    """The ZeRO stage an `accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml` asks for (None
+    without DeepSpeed); what flowgrpo cannot run (ZeRO-3, offloading, DeepSpeed's bf16) is refused in one line."""
+    env = os.environ if environ is None else environ
+    if not _env_true(env, USE_DEEPSPEED):
+        return None
+    from .scaling.zero import ZeroConfig, ZeroError
+
+    try:
+        return ZeroConfig.from_accelerate_env(dict(env))
+    except ZeroError as err:
+        raise ConfigError(f"accelerate DeepSpeed config: {err}") from None
+
+
 def sharding_from_launch(environ: Mapping[str, str] | None = None) -> Optional["ShardingConfig"]:
     """The FSDP2 settings an `accelerate launch --config_file configs/accelerate/fsdp2.yaml` asks for (None for
-    a data-parallel launch). A DeepSpeed launch is refused in one line: the trainers shard with FSDP2 only."""
+    a data-parallel or DeepSpeed launch)."""
     env = os.environ if environ is None else environ
-    if _env_true(env, USE_DEEPSPEED):
-        raise ConfigError(
-            f"launched with an accelerate DeepSpeed config ({USE_DEEPSPEED}), but flowgrpo's trainers shard with "
-            "FSDP2 only; launch with configs/accelerate/fsdp2.yaml (parameters, gradients and optimizer states "
-            "sharded as ZeRO-3 does) or configs/accelerate/ddp.yaml"
-        )
     if not _env_true(env, USE_FSDP):
         return None
     from .scaling.sharding import ShardingConfig, ShardingError
@@ -60,18 +72,25 @@ def sharding_from_launch(environ: Mapping[str, str] | None = None) -> Optional["
 
 
 class Distributed:
-    """This process's rank and world; `sharding` is set when the run shards its models with FSDP2."""
+    """This process's rank and world; `sharding` is set when the run shards its models with FSDP2, `zero` when
+    its optimizer step goes through a DeepSpeed ZeRO engine."""
 
-    def __init__(self, rank: int = 0, world_size: int = 1, sharding: Optional["ShardingConfig"] = None):
-        self.rank, self.world_size, self.sharding = rank, world_size, sharding
+    def __init__(
+        self,
+        rank: int = 0,
+        world_size: int = 1,
+        sharding: Optional["ShardingConfig"] = None,
+        zero: Optional["ZeroConfig"] = None,
+    ):
+        self.rank, self.world_size, self.sharding, self.zero = rank, world_size, sharding, zero
 
     @classmethod
     def from_environment(cls) -> "Distributed":
         import torch.distributed as dist
 
-        sharding = sharding_from_launch()  # before the trainers load any model
+        sharding, zero = sharding_from_launch(), zero_from_launch()  # before the trainers load any model
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world <= 1 and sharding is None:
+        if world <= 1 and sharding is None and zero is None:
             return cls()
         if not dist.is_initialized():
             if torch.cuda.is_available():
@@ -80,15 +99,21 @@ class Distributed:
             # on GPUs NCCL moves CUDA tensors (gradients, FSDP shards) and gloo the small CPU ones the trainers
             # gather (rewards, counts, loss normalisers): NCCL alone refuses CPU tensors
             backend = "cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo"
-            if world <= 1:  # FSDP2 on one process (a sharded run resumed on one GPU): a group of one
+            if world <= 1:  # FSDP2 / ZeRO on one process (e.g. a sharded run resumed on one GPU): a group of one
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
             else:
                 dist.init_process_group(backend)
-        return cls(dist.get_rank(), dist.get_world_size(), sharding)
+        return cls(dist.get_rank(), dist.get_world_size(), sharding, zero)
 
     @property
     def sharded(self) -> bool:
         return self.sharding is not None
+
+    @property
+    def lockstep(self) -> bool:
+        """Every rank must run as many forward / backward passes: FSDP2 gathers shards in each, a ZeRO engine
+        reduces gradient buckets in each backward."""
+        return self.sharded or self.zero is not None
 
     def shard(self, module: torch.nn.Module) -> None:
         """FSDP2 on `module`'s transformer blocks and root (flowgrpo.scaling.sharding.shard_model). Gradients are
@@ -108,9 +133,9 @@ class Distributed:
                 m.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-multiplied sum)
 
     def passes_to_pad(self, passes: int) -> int:
-        """Sharded runs: every rank must run as many forward / backward passes as the busiest one (each pass
-        gathers the blocks' shards from all ranks); the extra passes this rank runs with a zero loss."""
-        return self.most(passes) - passes if self.sharded else 0
+        """Sharded and ZeRO runs (`lockstep`): every rank must run as many forward / backward passes as the
+        busiest one; the extra passes this rank runs with a zero loss."""
+        return self.most(passes) - passes if self.lockstep else 0
 
     def most(self, count: int) -> int:
         """The largest of every rank's `count` (for steps that every rank must take equally often)."""

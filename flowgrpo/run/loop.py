@@ -148,10 +148,14 @@ class RunLoop:
 
     def save(self) -> Optional[Path]:
         """Rank 0 writes the checkpoint (every rank holds the same weights); the others wait for it. A sharded
-        run's ranks first write their shards together (flowgrpo.run.shards)."""
+        run's ranks first write their shards together (flowgrpo.run.shards); a ZeRO run's gather the optimizer
+        state together (flowgrpo.scaling.zero)."""
         if self.dist.sharded:
             path = self._write_sharded_checkpoint()
         else:
+            gather = getattr(self.optimizer_step.checkpointed, "gather", None)
+            if gather is not None:  # a ZeRO run: every rank gives its partitions of the AdamW moments first
+                gather()
             path = self._write_checkpoint(self.checkpoint_parts()) if self.dist.is_main else None
         self.dist.barrier()
         return path
@@ -210,6 +214,7 @@ class RunLoop:
         ckpt = load_checkpoint(path, optimizers=parts.optimizers, schedulers={"lr": self.scheduler}, shards=shards)
         check_resume_config(self.cfg.model_dump(mode="json"), ckpt.config, set(self.resume_free))
         self.restore(ckpt)
+        self.optimizer_step.weights_loaded()
         self.step = ckpt.step
         self.resumed_from = path
         log.info("resumed from %s (%s %d)", path, self.unit, self.step)

@@ -2,13 +2,15 @@
 
 The step is the one place where gradients become weights: all-reduce over ranks (FSDP2 reduce-scatters them
 in backward instead), clip, AdamW, zero the gradients, EMA. The run's `NonFiniteGuard` refuses a NaN / inf gradient here, so no trainer can forget it.
+The trainers back-propagate the policy's losses through `OptimizerStep.backward`: in a ZeRO run (a DeepSpeed
+launch) the step owns a DeepSpeed engine, which reduces, clips and steps (flowgrpo.scaling.zero).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -17,6 +19,9 @@ from ..guards import NonFiniteGuard
 from ..scaling.sharding import clip_grad_norm
 from .config import OptimConfig
 from .ema import ScheduledEMA
+
+if TYPE_CHECKING:
+    from ..scaling.zero import ZeroEngine
 
 
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
@@ -74,12 +79,40 @@ class OptimizerStep:
         dist: Distributed,
         ema: Optional[ScheduledEMA] = None,
         guard: Optional[NonFiniteGuard] = None,
+        module: Optional[torch.nn.Module] = None,
     ) -> None:
+        """`module`: the model that holds `params` (the DeepSpeed engine of a ZeRO run wraps it)."""
         self.params, self.optimizer, self.dist, self.guard = params, optimizer, dist, guard
         self.max_norm = max_grad_norm if max_grad_norm is not None else math.inf
         self.ema = ema
         self.total = 0  # optimizer steps over the run (saved in checkpoints)
         self.norms: list[float] = []  # grad norms of the current training step
+        self.zero: Optional[ZeroEngine] = None
+        self.checkpointed: Any = optimizer  # what a checkpoint saves as the optimizer (state_dict / load_state_dict)
+        if dist.zero is not None:
+            from ..config import ConfigError
+            from ..scaling.zero import FullOptimizerState, ZeroEngine, ZeroError
+
+            if module is None:
+                raise ValueError("a ZeRO run's OptimizerStep needs the module that holds the parameters")
+            try:
+                self.zero = ZeroEngine(module, optimizer, dist.zero, max_grad_norm, dist.world_size)
+            except ZeroError as err:
+                raise ConfigError(f"accelerate DeepSpeed config: {err}") from None
+            self.checkpointed = FullOptimizerState(self.zero)
+
+    def weights_loaded(self) -> None:
+        """The trained weights were written from outside the step (a resume): a ZeRO engine's fp32 master copy
+        takes them."""
+        if self.zero is not None:
+            self.zero.load_master_weights()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Back-propagate a policy loss (through the DeepSpeed engine in a ZeRO run)."""
+        if self.zero is not None:
+            self.zero.backward(loss)
+        else:
+            loss.backward()
 
     def begin(self) -> None:
         """A new training step: its grad norms start empty."""
@@ -88,6 +121,8 @@ class OptimizerStep:
     def __call__(self) -> float:
         if self.ema is not None:
             self.ema.before_step(self.params)
+        if self.zero is not None:
+            return self._zero_step()
         self.dist.all_reduce_grads(self.params)
         norm = clip_grad_norm(self.params, self.max_norm)  # over every shard when FSDP2 shards the weights
         self.norms.append(norm)
@@ -96,6 +131,20 @@ class OptimizerStep:
             return norm
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.total += 1
+        if self.ema is not None:
+            self.ema.after_step(self.params)
+        return norm
+
+    def _zero_step(self) -> float:
+        """DeepSpeed reduces, clips and steps; it skips a step whose gradients hold NaN / inf itself."""
+        assert self.zero is not None
+        norm, applied = self.zero.step()
+        self.norms.append(norm)
+        if not applied:  # the weights, moments and EMA stay as they were; the guard counts the skip
+            if self.guard is not None:
+                self.guard.step_ok(math.nan)
+            return norm
         self.total += 1
         if self.ema is not None:
             self.ema.after_step(self.params)

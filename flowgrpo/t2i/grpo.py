@@ -83,7 +83,7 @@ class GRPOMethod(Method):
                 micros = torch.arange(local_ids.numel()).split(cfg.train.micro_batch_size)
                 for _ in range(t.dist.passes_to_pad(len(micros))):  # sharded: as many passes as the busiest rank
                     pad = pad if pad is not None else self._padding_batch(t, credit, rollout)
-                    self.objective(t.adapter, tree, pad, rollout.prompts, norm).output.loss.mul(0.0).backward()
+                    t.optimizer_step.backward(self.objective(t.adapter, tree, pad, rollout.prompts, norm).output.loss.mul(0.0))
                     padding += 1
                 for micro in micros:
                     rows = part.rows(micro)
@@ -91,7 +91,7 @@ class GRPOMethod(Method):
                     if on_policy:
                         dev = ((edge_loss.logp.float().cpu() - rows.logp_old).exp() - 1).abs().max()
                         check.observe(float(dev), micro.numel())
-                    edge_loss.output.loss.backward()
+                    t.optimizer_step.backward(edge_loss.output.loss)
                     backwards += 1
                     metrics.add(edge_loss.output.metrics, micro.numel())
                 t.optimizer_step()
@@ -101,7 +101,7 @@ class GRPOMethod(Method):
             check.reduce(t.dist)
         record.update(metrics.result(len(t.optimizer_step.norms)))
         record["backward_passes"] = backwards  # this rank's; the trainer sums the counts over ranks
-        if t.dist.sharded:
+        if t.dist.lockstep:
             record["padding_passes"] = padding
         check.report(record, f"iteration {t.step + 1}", SUSPECTS)
 

@@ -169,7 +169,7 @@ class NFTMethod(Method):
                 with torch.no_grad(), t.reference() as ref:
                     v_ref = ref.model_output(x_t, time_, rows, cfg.sampler.guidance_scale, "none")
                 loss = loss + nft.kl_coef * ((v - v_ref) ** 2).flatten(1).mean(1).sum() / total
-            (loss * scale).backward()
+            t.optimizer_step.backward(loss * scale)
             return per.detach()
 
         for epoch in range(cfg.train.inner_epochs):
@@ -202,7 +202,7 @@ class NFTMethod(Method):
                 "loss/policy": metrics_sum / max(n_terms, 1),
                 "nft/old_decay": decay,
                 "backward_passes": backwards,
-                **({"padding_passes": padding} if t.dist.sharded else {}),
+                **({"padding_passes": padding} if t.dist.lockstep else {}),
                 "nft/mean_r": float(opt_r[keep].mean()) if keep.numel() else math.nan,
             }
         )

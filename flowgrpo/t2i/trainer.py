@@ -86,8 +86,9 @@ class T2ITrainer(RunLoop):
         self.optimizer, self.scheduler = built.optimizer, built.scheduler
         self.ema = build_ema(self.params, cfg.ema)
         self.optimizer_step = OptimizerStep(
-            self.params, self.optimizer, cfg.optim.max_grad_norm, self.dist, self.ema, guard=self.guard
-        )
+            self.params, self.optimizer, cfg.optim.max_grad_norm, self.dist, self.ema, guard=self.guard,
+            module=self.adapter.denoiser,
+        )  # fmt: skip
         self.method = build_method(self)
         self.prompt_sampler = PromptSampler(len(self.prompts), cfg.seed, cfg.data.shuffle)
         self.trackers: artifacts.Trackers | None = None  # rank 0 opens them with its first record
@@ -108,7 +109,7 @@ class T2ITrainer(RunLoop):
         return {n: p.detach() for n, p in zip(self.param_names, params)}
 
     def checkpoint_parts(self) -> CheckpointParts:
-        parts = CheckpointParts(tensors={"policy": self._named(self.params)}, optimizers={"policy": self.optimizer},
+        parts = CheckpointParts(tensors={"policy": self._named(self.params)}, optimizers={"policy": self.optimizer_step.checkpointed},
                                 state={"prompts": self.prompt_sampler.state_dict(),
                                        "optimizer_steps": self.optimizer_step.total})  # fmt: skip
         if self.ema is not None:

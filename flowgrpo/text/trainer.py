@@ -125,7 +125,7 @@ class TextGRPOTrainer(RunLoop):
         built = build_optimizer(self.params, cfg.optim, cfg.steps, fused=True)
         self.optimizer, self.scheduler = built.optimizer, built.scheduler
         self.optimizer_step = OptimizerStep(
-            self.params, self.optimizer, cfg.optim.max_grad_norm, self.dist, guard=self.guard
+            self.params, self.optimizer, cfg.optim.max_grad_norm, self.dist, guard=self.guard, module=self.model
         )
         self.shared_prompt: Optional[bool] = None if cfg.train.shared_prompt == "auto" else cfg.train.shared_prompt
         if self.dist.sharded:
@@ -160,7 +160,7 @@ class TextGRPOTrainer(RunLoop):
     # --- checkpoints, the end of the run -----------------------------------------------------
 
     def checkpoint_parts(self) -> CheckpointParts:
-        return CheckpointParts(tensors={"model": trainable_state(self.model)}, optimizers={"policy": self.optimizer},
+        return CheckpointParts(tensors={"model": trainable_state(self.model)}, optimizers={"policy": self.optimizer_step.checkpointed},
                                state={"sampler": self.sampler.state_dict()})  # fmt: skip
 
     def restore(self, ckpt: Checkpoint) -> None:
@@ -335,7 +335,7 @@ class TextGRPOTrainer(RunLoop):
                         full.split(micro), logp=logp, logp_old=old, entropy=ent if cfg.loss.entropy_coef else None
                     )
                     out = policy_loss(inputs, cfg.loss, norm)
-                    out.loss.backward()
+                    self.optimizer_step.backward(out.loss)
                     counts["backward_passes"] += 1
                     metrics.add(out.metrics, int(m.sum()))
                 self.optimizer_step()
@@ -370,7 +370,7 @@ class TextGRPOTrainer(RunLoop):
             batch.full.split(PAD_ROWS), logp=scored.logp, logp_old=scored.logp.detach(),
             entropy=scored.entropy if cfg.loss.entropy_coef else None,
         )  # fmt: skip
-        policy_loss(inputs, cfg.loss, norm).loss.mul(0.0).backward()
+        self.optimizer_step.backward(policy_loss(inputs, cfg.loss, norm).loss.mul(0.0))
 
     def _decide_shared_prompt(self, rollout: Rollout, record: dict[str, Any], counts: dict[str, int]) -> None:
         """train.shared_prompt auto: compare the shared-prompt and the plain forward on the first groups of

@@ -121,8 +121,13 @@ def test_deepspeed_configs_ask_for_their_zero_stage(name, stage):
     _, env = _launch_env(ROOT / "configs" / "accelerate" / name)
     assert env["ACCELERATE_USE_DEEPSPEED"] == "true"
     assert env["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == stage
-    assert env["ACCELERATE_GRADIENT_CLIPPING"] == "1.0"
-    assert env["ACCELERATE_MIXED_PRECISION"] == "bf16"
+    assert env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] == "1"
+
+
+def test_the_zero2_file_leaves_precision_and_clipping_to_the_recipe():
+    _, env = _launch_env(ROOT / "configs" / "accelerate" / "deepspeed_zero2.yaml")
+    assert env["ACCELERATE_MIXED_PRECISION"] == "no"  # DeepSpeed's bf16 mode would cast the fp32 LoRA weights
+    assert "ACCELERATE_GRADIENT_CLIPPING" not in env  # the recipe's optim.max_grad_norm is handed to DeepSpeed
 
 
 def test_a_non_fsdp2_environment_is_refused():

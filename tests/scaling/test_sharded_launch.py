@@ -1,5 +1,6 @@
 """What an `accelerate launch` with each shipped config makes of a run: FSDP2 sharding from the FSDP files, a
-one-line refusal for DeepSpeed (the trainers shard with FSDP2 only) before any model loads, nothing for DDP."""
+ZeRO stage from the DeepSpeed ZeRO-2 file, a one-line refusal for what the trainers cannot run (ZeRO-3,
+offloading, DeepSpeed's bf16) before any model loads, nothing for DDP."""
 
 from __future__ import annotations
 
@@ -11,24 +12,55 @@ import pytest
 import torch
 
 from flowgrpo.config import ConfigError
-from flowgrpo.distributed import Distributed, sharding_from_launch
+from flowgrpo.distributed import Distributed, sharding_from_launch, zero_from_launch
 
 from .test_accelerate_configs import ROOT, _launch_env
 
 ACCELERATE = ROOT / "configs" / "accelerate"
+ZERO2 = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2",
+         "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "1", "ACCELERATE_MIXED_PRECISION": "no"}  # fmt: skip
 
 
 @pytest.mark.parametrize("value", ["true", "True", "1"])  # accelerate writes "true" and "True"
-def test_deepspeed_is_refused_in_one_line(value):
-    with pytest.raises(ConfigError, match="FSDP2 only") as err:
-        sharding_from_launch({"ACCELERATE_USE_DEEPSPEED": value})
-    assert "configs/accelerate/fsdp2.yaml" in str(err.value)
-    assert len(str(err.value).splitlines()) == 1
+def test_a_deepspeed_launch_runs_zero_not_fsdp(value):
+    zero = zero_from_launch({**ZERO2, "ACCELERATE_USE_DEEPSPEED": value})
+    assert zero is not None and zero.stage == 2
+    assert sharding_from_launch({**ZERO2, "ACCELERATE_USE_DEEPSPEED": value}) is None
+
+
+@pytest.mark.parametrize(
+    "change,words",
+    [
+        ({"ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}, ["ZeRO-3", "configs/accelerate/fsdp2.yaml"]),
+        ({"ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu"}, ["offload_optimizer", "none"]),
+        ({"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4"}, ["gradient_accumulation_steps 4", "set it to 1"]),
+        ({"ACCELERATE_MIXED_PRECISION": "bf16"}, ["mixed_precision 'bf16'", "model.dtype"]),
+    ],
+    ids=["zero3", "offload", "accumulation", "bf16"],
+)
+def test_what_zero_cannot_run_is_refused_in_one_line(change, words):
+    with pytest.raises(ConfigError) as err:
+        zero_from_launch({**ZERO2, **change})
+    text = str(err.value)
+    assert len(text.splitlines()) == 1 and all(w in text for w in words), text
+
+
+def test_a_clipping_other_than_the_recipe_s_is_refused():
+    from flowgrpo.scaling.zero import ZeroError
+
+    zero = zero_from_launch({**ZERO2, "ACCELERATE_GRADIENT_CLIPPING": "0.5"})
+    assert zero is not None and zero.clipping == 0.5
+    assert zero.deepspeed_config(0.5)["gradient_clipping"] == 0.5
+    with pytest.raises(ZeroError, match="optim.max_grad_norm is 1.0"):
+        zero.deepspeed_config(1.0)
+    unset = zero_from_launch(ZERO2)
+    assert unset is not None and unset.deepspeed_config(None)["gradient_clipping"] == 0.0  # None: no clipping
+    assert unset.deepspeed_config(1.0)["managed_gradient_accumulation"] is False
 
 
 @pytest.mark.parametrize("env", [{}, {"ACCELERATE_USE_FSDP": "false"}, {"ACCELERATE_USE_DEEPSPEED": "False"}])
 def test_plain_environment_does_not_shard(env):
-    assert sharding_from_launch(env) is None
+    assert sharding_from_launch(env) is None and zero_from_launch(env) is None
 
 
 def test_fsdp1_config_is_refused():
@@ -42,7 +74,7 @@ def test_fsdp1_config_is_refused():
         ("ddp.yaml", None),
         ("fsdp2.yaml", "fsdp2"),
         ("fsdp2_two_nodes.yaml", "fsdp2"),
-        ("deepspeed_zero2.yaml", "refused"),
+        ("deepspeed_zero2.yaml", "zero2"),
         ("deepspeed_zero3.yaml", "refused"),
     ],
 )
@@ -50,10 +82,14 @@ def test_the_shipped_accelerate_configs(name, engine):
     """The environment the installed accelerate exports for each shipped file."""
     _, env = _launch_env(ACCELERATE / name)
     if engine == "refused":
-        with pytest.raises(ConfigError, match="FSDP2 only"):
-            sharding_from_launch(env)
-    elif engine is None:
+        with pytest.raises(ConfigError, match="ZeRO-3"):
+            zero_from_launch(env)
+    elif engine == "zero2":
+        zero = zero_from_launch(env)
+        assert zero is not None and zero.stage == 2 and zero.clipping is None
         assert sharding_from_launch(env) is None
+    elif engine is None:
+        assert sharding_from_launch(env) is None and zero_from_launch(env) is None
     else:
         sharding = sharding_from_launch(env)
         assert sharding is not None
@@ -84,14 +120,14 @@ def test_one_sharded_process_gets_a_process_group_of_one(monkeypatch):
     "command,config",
     [("train-t2i", "configs/t2i/tiny/flow_grpo.yaml"), ("train-text", "configs/text/tiny_pattern.yaml")],
 )
-def test_both_trainers_refuse_deepspeed_in_one_line_before_loading(tmp_path, command, config):
+def test_both_trainers_refuse_zero3_in_one_line_before_loading(tmp_path, command, config):
     out = tmp_path / "out"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "ACCELERATE_USE_DEEPSPEED": "true"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), **ZERO2, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}
     code = "import sys\nfrom flowgrpo.cli import main\nsys.exit(main(sys.argv[1:]))\n"
     argv = [sys.executable, "-c", code, command, str(ROOT / config), f"output_dir={out}"]
     done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
     text = done.stderr.strip()
     assert "Traceback" not in text and len(text.splitlines()) == 1, text
-    assert "FSDP2 only" in text and "DeepSpeed" in text
+    assert "ZeRO-3" in text and "DeepSpeed" in text
     assert not out.exists()  # stopped before the run loop made its folder, so before any model

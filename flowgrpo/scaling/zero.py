@@ -1,0 +1,251 @@
+"""DeepSpeed ZeRO-1 / ZeRO-2 for the trainers: the engine sums gradients over ranks, partitions them and the
+AdamW moments, clips and steps; the trainers keep their own loop.
+
+`accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml` exports the settings; they are read
+through accelerate's own DeepSpeed plugin (`ZeroConfig.from_accelerate_env`). Every rank keeps the whole model
+(ZeRO-1 / 2 partition only gradients and optimizer states), so the frozen reference, the EMA, DiffusionNFT's
+old policy, exports and vLLM syncs read the weights as in a data-parallel run.
+
+How the trainers drive the engine (`ZeroEngine`), and why:
+- gradient accumulation is "unmanaged": `engine.step()` is the accumulation boundary, so an update may take
+  any number of micro-batches (tree edges, uneven splits), as in the data-parallel path;
+- the trainers call the model directly, not through `engine(...)`; a forward pre-hook does the one thing the
+  engine's forward does for ZeRO before a pass (`clear_backward_seen_flag`: without it the partitions of the
+  next micro-batch overwrite instead of adding; measured);
+- each rank's loss already carries the global normaliser, and DeepSpeed averages over ranks, so `backward`
+  scales the loss by the world size (the average of the scaled losses is their sum);
+- DeepSpeed clips to the recipe's `optim.max_grad_norm` and skips a step whose gradients hold NaN / inf
+  (measured: weights and moments untouched); the trainers' guard reads the engine's norm afterwards.
+
+Checkpoints stay the plain, world-size-free format of a data-parallel run: the AdamW moments of every
+parameter are gathered from the partitions (`FullOptimizerState`, DeepSpeed's `safe_get_full_optimizer_state`)
+and written by rank 0 as safetensors; a resume on any world size, with or without ZeRO, scatters them back.
+ZeRO-3 is refused: it partitions the weights themselves (configs/accelerate/fsdp2.yaml shards the same way and
+is supported).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+from unittest import mock
+
+import torch
+
+# The Adam moments DeepSpeed keeps per partition, by their torch.optim.AdamW state names
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+class ZeroError(RuntimeError):
+    """A DeepSpeed launch flowgrpo cannot run as asked."""
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """The ZeRO stage an accelerate DeepSpeed launch asks for (1 or 2), and the user's own DeepSpeed JSON."""
+
+    stage: int = 2
+    config_file: Optional[str] = None
+    clipping: Optional[float] = None  # the launch's gradient_clipping (None: not set; must match the recipe)
+
+    @classmethod
+    def from_accelerate_env(cls, env: dict[str, str] | None = None) -> ZeroConfig:
+        """The settings `accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml` exports to every
+        rank, read through accelerate's DeepSpeedPlugin; what flowgrpo cannot honour is refused here, in one line."""
+        from accelerate.utils import DeepSpeedPlugin
+
+        env = dict(os.environ if env is None else env)
+        with mock.patch.dict(os.environ, env, clear=True):  # the plugin reads os.environ only
+            plugin = DeepSpeedPlugin()
+        ds = plugin.deepspeed_config
+        zero = ds.get("zero_optimization", {})
+        stage = int(zero.get("stage", plugin.zero_stage))
+        if stage == 3:
+            raise ZeroError(
+                "ZeRO-3 partitions the weights themselves, which flowgrpo's trainers do not drive through "
+                "DeepSpeed; launch with configs/accelerate/fsdp2.yaml (FSDP2 shards weights, gradients and "
+                "optimizer states as ZeRO-3 does, with sharded checkpoints) or deepspeed_zero2.yaml"
+            )
+        if stage not in (1, 2):
+            raise ZeroError(f"zero_stage {stage}: flowgrpo runs ZeRO stage 1 or 2 (or FSDP2: fsdp2.yaml)")
+        for kind in ("offload_optimizer", "offload_param"):
+            device = (zero.get(kind) or {}).get("device", "none")
+            if str(device).lower() not in ("none", "auto"):
+                raise ZeroError(f"{kind}: {device}: flowgrpo runs ZeRO without offloading (set it to none)")
+        gas = ds.get("gradient_accumulation_steps", 1)
+        if gas not in (1, "auto"):
+            raise ZeroError(
+                f"gradient_accumulation_steps {gas}: flowgrpo accumulates its own micro-batches (train.* settings "
+                "of the recipe) and steps once per mini-batch; set it to 1"
+            )
+        precision = env.get("ACCELERATE_MIXED_PRECISION", "no")
+        if precision != "no" or any(ds.get(k, {}).get("enabled") in (True, "true") for k in ("bf16", "fp16")):
+            raise ZeroError(
+                f"mixed_precision '{precision}' under DeepSpeed: its bf16 / fp16 mode would cast the fp32 trained "
+                "weights; the recipe's model.dtype sets the precision (set mixed_precision: 'no')"
+            )
+        clip = ds.get("gradient_clipping")
+        clipping = float(clip) if isinstance(clip, (int, float)) or _is_number(clip) else None
+        return cls(stage=stage, config_file=env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None, clipping=clipping)
+
+    def deepspeed_config(self, max_grad_norm: Optional[float]) -> dict[str, Any]:
+        """The DeepSpeed config of the engine (the user's JSON, if any, under flowgrpo's fixed settings)."""
+        base: dict[str, Any] = {}
+        if self.config_file:
+            from flowgrpo.atomic_io import from_json
+
+            base = from_json(open(self.config_file).read())
+        if self.clipping is not None and self.clipping != (max_grad_norm or 0.0):
+            raise ZeroError(
+                f"the DeepSpeed config clips gradients at {self.clipping}, the recipe's optim.max_grad_norm is "
+                f"{max_grad_norm}; flowgrpo hands the recipe's to DeepSpeed: make them equal (or leave it auto)"
+            )
+        zero = {**base.get("zero_optimization", {}), "stage": self.stage}
+        return {
+            **{k: v for k, v in base.items() if k not in ("bf16", "fp16", "optimizer", "scheduler")},
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "managed_gradient_accumulation": False,  # engine.step() is the boundary: any number of micro-batches
+            "gradient_clipping": float(max_grad_norm or 0.0),
+            "zero_optimization": zero,
+            "zero_allow_untested_optimizer": True,  # torch's AdamW, the optimizer of every other launch
+            "steps_per_print": 2**31 - 1,
+            "wall_clock_breakdown": False,
+        }
+
+
+def _is_number(value: Any) -> bool:
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+class ZeroEngine:
+    """A DeepSpeed engine over `module` and its AdamW: backward, step, the step's gradient norm."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        cfg: ZeroConfig,
+        max_grad_norm: Optional[float],
+        world_size: int,
+    ) -> None:
+        import deepspeed
+
+        self.world_size = world_size
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.group_sizes = [len(group["params"]) for group in optimizer.param_groups]  # DeepSpeed flattens them
+        self.inner = optimizer  # the torch AdamW: its param groups (and the LR the schedule sets) stay live
+        # DeepSpeed reads LOCAL_RANK, which a one-process run (no launcher: a run resumed on one GPU) lacks
+        os.environ.setdefault("LOCAL_RANK", "0")
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=module, optimizer=optimizer, config=cfg.deepspeed_config(max_grad_norm), dist_init_required=False
+        )
+        module.register_forward_pre_hook(self._before_forward)
+
+    def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
+        self.engine.optimizer.clear_backward_seen_flag()  # what engine.forward does first
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+
+    def step(self) -> tuple[float, bool]:
+        """Reduce, clip, AdamW; (the gradient norm before clipping, whether DeepSpeed applied the step)."""
+        skipped = self.engine.skipped_steps
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else 0.0
+        return norm, self.engine.skipped_steps == skipped
+
+    # --- the AdamW state, whole -------------------------------------------------------------------------
+
+    def full_optimizer_state(self) -> dict[str, Any]:
+        """torch.optim.AdamW.state_dict() of the whole parameters, gathered from every rank's partitions (a
+        collective: every rank calls it)."""
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        steps = self._steps()
+        state: dict[int, dict[str, Any]] = {}
+        for i, p in enumerate(self.params):
+            moments = {k: safe_get_full_optimizer_state(p, k) for k in MOMENTS}
+            if all(m is not None for m in moments.values()) and steps is not None:
+                state[i] = {"step": torch.tensor(float(steps)), **{k: m.detach().cpu() for k, m in moments.items()}}
+        groups, index = [], 0
+        for group, n in zip(self.inner.param_groups, self.group_sizes):
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(range(index, index + n))})
+            index += n
+        return {"state": state, "param_groups": groups}
+
+    def load_full_optimizer_state(self, sd: dict[str, Any]) -> None:
+        """Scatter a whole-parameter AdamW state (any world size's, or a run without ZeRO) into this rank's
+        partitions."""
+        from deepspeed.utils import safe_set_full_optimizer_state
+
+        self._create_optimizer_state()
+        for group, saved in zip(self.inner.param_groups, sd["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        steps = None
+        for i, p in enumerate(self.params):
+            entry = sd["state"].get(i) or sd["state"].get(str(i))
+            if entry is None:
+                continue
+            for k in MOMENTS:
+                safe_set_full_optimizer_state(p, entry[k].to(torch.float32), k)
+            steps = float(entry["step"])
+        if steps is not None:
+            for state in self.inner.state.values():  # the flat partitions' AdamW steps
+                if "step" in state:
+                    state["step"] = torch.full_like(torch.as_tensor(state["step"]), steps)
+
+    def load_master_weights(self) -> None:
+        """After weights were loaded into the module (a resume): DeepSpeed's fp32 master partitions take them
+        (its next step would otherwise write the weights it started with back into the module)."""
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        for p in self.params:
+            safe_set_full_fp32_param(p, p.detach().to(torch.float32))
+
+    def _create_optimizer_state(self) -> None:
+        """AdamW creates its moments at its first step, and DeepSpeed links them to the parameters then: a
+        fresh engine takes one step with zero gradients at learning rate 0 (the weights do not move; the
+        moments and step count it leaves are overwritten by the loaded ones)."""
+        if self._steps() is not None:
+            return
+        lrs = [group["lr"] for group in self.inner.param_groups]
+        for group in self.inner.param_groups:
+            group["lr"] = 0.0
+        self.engine.backward(torch.stack([(p * 0).sum() for p in self.params]).sum())
+        self.engine.step()
+        for group, lr in zip(self.inner.param_groups, lrs):
+            group["lr"] = lr
+
+    def _steps(self) -> Optional[float]:
+        """AdamW's step count (the same for every partition: every step updates all); None before the first."""
+        for state in self.inner.state.values():
+            if "step" in state:
+                return float(state["step"])
+        return None
+
+
+class FullOptimizerState:
+    """The checkpoint's view of a ZeRO run's optimizer: `state_dict()` / `load_state_dict()` in torch AdamW's
+    whole-parameter format. The gather is collective, so `gather()` runs on every rank before rank 0 writes."""
+
+    def __init__(self, engine: ZeroEngine) -> None:
+        self.engine = engine
+        self._gathered: Optional[dict[str, Any]] = None
+
+    def gather(self) -> None:
+        self._gathered = self.engine.full_optimizer_state()
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._gathered is None:
+            raise ZeroError("the ZeRO optimizer state is gathered on every rank first (FullOptimizerState.gather)")
+        return self._gathered
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.engine.load_full_optimizer_state(sd)
