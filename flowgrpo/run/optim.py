@@ -112,7 +112,7 @@ class OptimizerStep:
         if self.zero is not None:
             self.zero.backward(loss)
         else:
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]  # (Tensor.backward: what the bench probe times)
 
     def begin(self) -> None:
         """A new training step: its grad norms start empty."""

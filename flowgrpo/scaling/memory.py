@@ -8,12 +8,14 @@ W ranks (bf16 = 2 bytes, fp32 = 4):
     engine   parameters          gradients   optimizer             gathered (transient, bf16)
     DDP      2F + 4T             4T          8T    (m, v)          -
     FSDP2    (2F + 4T) / W       4T / W      8T / W (m, v)         2 (root + 2 largest blocks)
-    ZeRO-2   2(F + T)            2T / W      12T / W (master,m,v)  -
+    ZeRO-2   2F + 4T             4T / W      12T / W (master,m,v)  -
     ZeRO-3   2(F + T) / W        2T / W      12T / W (master,m,v)  2 (2 largest blocks)
 
-DDP and FSDP2 keep trained weights in fp32 (the fp32 parameter is the master copy; compute is bf16);
-DeepSpeed keeps a bf16 module and an fp32 master inside the optimizer (the ZeRO paper's 2 + 2 + 12
-bytes). FSDP2's root unit (embeddings, final layers) stays gathered between forwards (see
+DDP and FSDP2 keep trained weights in fp32 (the fp32 parameter is the master copy; compute is bf16).
+flowgrpo's ZeRO-2 (flowgrpo.scaling.zero) keeps the module as the recipe loads it (fp32 trained weights,
+DeepSpeed's bf16 mode off), and DeepSpeed adds its fp32 master partition to the AdamW moments. ZeRO-3 is
+DeepSpeed's own layout (a bf16 module, the ZeRO paper's 2 + 2 + 12 bytes): flowgrpo refuses it and shards
+weights with FSDP2 instead; its rows show what DeepSpeed would need. FSDP2's root unit (embeddings, final layers) stays gathered between forwards (see
 sharding.shard_model); blocks are gathered one ahead of use (prefetch), hence 2 blocks.
 
 Activations (any engine, any W; data parallel does not split them), per the estimate of Korthikanti
@@ -285,7 +287,7 @@ def memory_row(f: ModelFacts, mode: str, engine: str, world: int) -> MemoryRow:
         params, grads, optim = (2 * frozen + 4 * trained) / w, 4 * trained / w, 8 * trained / w
         gathered = 2 * (f.root_params + 2 * f.largest_block)
     elif engine == "ZeRO-2":
-        params, grads, optim, gathered = 2 * (frozen + trained), 2 * trained / w, 12 * trained / w, 0
+        params, grads, optim, gathered = 2 * frozen + 4 * trained, 4 * trained / w, 12 * trained / w, 0
     else:  # ZeRO-3
         params, grads, optim = 2 * (frozen + trained) / w, 2 * trained / w, 12 * trained / w
         gathered = 2 * 2 * f.largest_block

@@ -170,13 +170,15 @@ class ZeroEngine:
 
         steps = self._steps()
         state: dict[int, dict[str, Any]] = {}
-        for i, p in enumerate(self.params):
+        for i, p in enumerate(self.params if steps is not None else []):  # no moments before the first step
             moments = {k: safe_get_full_optimizer_state(p, k) for k in MOMENTS}
-            if all(m is not None for m in moments.values()) and steps is not None:
-                state[i] = {"step": torch.tensor(float(steps)), **{k: m.detach().cpu() for k, m in moments.items()}}
+            if all(m is not None for m in moments.values()):
+                state[i] = {"step": torch.tensor(steps), **{k: m.detach().cpu() for k, m in moments.items()}}
         groups, index = [], 0
         for group, n in zip(self.inner.param_groups, self.group_sizes):
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(range(index, index + n))})
+            groups.append(
+                {**{k: v for k, v in group.items() if k != "params"}, "params": list(range(index, index + n))}
+            )
             index += n
         return {"state": state, "param_groups": groups}
 

@@ -83,7 +83,9 @@ class GRPOMethod(Method):
                 micros = torch.arange(local_ids.numel()).split(cfg.train.micro_batch_size)
                 for _ in range(t.dist.passes_to_pad(len(micros))):  # sharded: as many passes as the busiest rank
                     pad = pad if pad is not None else self._padding_batch(t, credit, rollout)
-                    t.optimizer_step.backward(self.objective(t.adapter, tree, pad, rollout.prompts, norm).output.loss.mul(0.0))
+                    t.optimizer_step.backward(
+                        self.objective(t.adapter, tree, pad, rollout.prompts, norm).output.loss.mul(0.0)
+                    )
                     padding += 1
                 for micro in micros:
                     rows = part.rows(micro)

@@ -403,7 +403,7 @@ class Adapter(abc.ABC):
             json.dump({**config, "_class_name": cls.__name__}, f, indent=2, sort_keys=True)
         state = model.state_dict() if state is None else state
         save_torch_state_dict(
-            {k: v.detach().contiguous() for k, v in state.items()},
+            {k: _own_storage(v.detach()) for k, v in state.items()},
             os.fspath(path),
             filename_pattern="diffusion_pytorch_model{suffix}.safetensors",
             max_shard_size="10GB",
@@ -498,3 +498,12 @@ def _pad(t: Tensor, n: int) -> Tensor:
 def _stack(rows: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     n = max(r["embeds"].shape[1] for r in rows)
     return {k: torch.cat([r[k] if k == "pooled" else _pad(r[k], n) for r in rows]) for k in rows[0]}
+
+
+def _own_storage(t: Tensor) -> Tensor:
+    """`t` in a storage of its own, as safetensors writes it: a DeepSpeed ZeRO engine keeps the trained
+    weights as views into one flat buffer (copied to the host, one tensor at a time)."""
+    t = t.contiguous()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        return t.to("cpu", copy=True)
+    return t

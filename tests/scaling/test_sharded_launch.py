@@ -122,7 +122,13 @@ def test_one_sharded_process_gets_a_process_group_of_one(monkeypatch):
 )
 def test_both_trainers_refuse_zero3_in_one_line_before_loading(tmp_path, command, config):
     out = tmp_path / "out"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), **ZERO2, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": str(ROOT),
+        **ZERO2,
+        "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+    }
     code = "import sys\nfrom flowgrpo.cli import main\nsys.exit(main(sys.argv[1:]))\n"
     argv = [sys.executable, "-c", code, command, str(ROOT / config), f"output_dir={out}"]
     done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)

@@ -34,7 +34,9 @@ def losses(m: torch.nn.Module, step: int) -> list[torch.Tensor]:
     return out
 
 
-def build(zero: bool, weights: list[torch.Tensor] | None = None) -> tuple[OptimizerStep, torch.nn.Module, list, NonFiniteGuard]:
+def build(
+    zero: bool, weights: list[torch.Tensor] | None = None
+) -> tuple[OptimizerStep, torch.nn.Module, list, NonFiniteGuard]:
     m = model()
     params = [p for p in m.parameters() if p.requires_grad]
     if weights is not None:

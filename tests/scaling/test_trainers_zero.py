@@ -1,0 +1,167 @@
+"""Both trainers under DeepSpeed ZeRO-2 (the environment `accelerate launch --config_file
+configs/accelerate/deepspeed_zero2.yaml` exports; DeepSpeed's CPU accelerator with gloo): the same result as one
+process, checkpoints in the plain format that resume on another world size with or without ZeRO.
+
+Tolerances as in tests/scaling/test_trainers_fsdp.py: the engine sums the same float32 gradients in another
+order, so the weights are compared against the spread other micro-batch sizes give one process; what comes from
+the same weights (rollouts, rewards, advantages) must match to the last bit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from .test_trainers_fsdp import ROLLOUT_KEYS, ROOT, _image, _lora, _max_diff, _records
+
+pytestmark = pytest.mark.heavy
+
+# what `accelerate launch` exports for configs/accelerate/deepspeed_zero2.yaml (tests/scaling/test_sharded_launch.py
+# reads the file through accelerate)
+ZERO_ENV = {
+    "ACCELERATE_USE_DEEPSPEED": "true",
+    "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2",
+    "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "1",
+    "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "none",
+    "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "none",
+    "ACCELERATE_MIXED_PRECISION": "no",
+}
+
+
+@pytest.fixture
+def launch(launch_ranks, monkeypatch):
+    """launch(script, args, world, zero=True): `launch_ranks` with or without the ZeRO-2 environment."""
+
+    def run(script: str, args: list[str], world: int, zero: bool = True) -> None:
+        with monkeypatch.context() as m:
+            for key in ("ACCELERATE_USE_FSDP", "FSDP_VERSION"):
+                m.delenv(key, raising=False)
+            for key, value in ZERO_ENV.items():
+                if zero:
+                    m.setenv(key, value)
+                else:
+                    m.delenv(key, raising=False)
+            launch_ranks(script, args, world)
+
+    return run
+
+
+def test_image_trainer_zero2_matches_one_process_and_resumes_across_world_sizes(launch, tmp_path):
+    one_iter = ["iterations=1", "train.micro_batch_size=7"]
+    plain = _image(launch, tmp_path / "plain", 1, *one_iter, sharded=False)
+    two = _image(launch, tmp_path / "two", 2, *one_iter)
+    refs = [_image(launch, tmp_path / f"mb{m}", 1, "iterations=1", f"train.micro_batch_size={m}", sharded=False)
+            for m in (1, 3)]  # fmt: skip
+    spread = max(_max_diff(_lora(plain), _lora(r)) for r in refs)
+    update = max(float(v.abs().max()) for k, v in _lora(plain).items() if "lora_B" in k)  # LoRA B starts at 0
+    assert spread > 0 and update > 1000 * spread, (update, spread)  # a missing or doubled rank's gradient shows
+    for name in ("lora", "lora_ema"):
+        assert _max_diff(_lora(two, name), _lora(plain, name)) <= 2 * spread, name
+    r_plain, r_two = _records(plain)[0], _records(two)[0]
+    for key in ROLLOUT_KEYS + ("optimizer_steps",):
+        assert r_two[key] == r_plain[key], key
+    assert abs(r_two["grad_norm"] - r_plain["grad_norm"]) <= 1e-4 * r_plain["grad_norm"]  # DeepSpeed's norm
+    # the checkpoint is the plain format: the same AdamW moments, gathered from both ranks' partitions
+    name = "checkpoints/step_00000001/optim.policy.safetensors"
+    moments_plain, moments_two = load_file(str(plain / name)), load_file(str(two / name))
+    assert moments_plain.keys() == moments_two.keys()
+    for key, value in moments_plain.items():
+        scale = float(value.abs().max()) or 1.0
+        assert float((moments_two[key] - value).abs().max()) <= 1e-3 * scale, key
+
+    # resume on another world size, from and to a run without ZeRO: iteration 2's rollouts come from the
+    # resumed weights (DeepSpeed's fp32 master copy included), so they match the uninterrupted run's to the bit
+    two_iters = ["iterations=2", "train.micro_batch_size=7"]
+    # the uninterrupted run of each saving set-up: 2 ZeRO ranks, 1 plain process
+    straight = {2: _image(launch, tmp_path / "straight2", 2, *two_iters),
+                1: _image(launch, tmp_path / "straight1", 1, *two_iters, sharded=False)}  # fmt: skip
+    assert sum(r["padding_passes"] for r in _records(straight[2])) > 0  # uneven edges: zero-loss backward passes
+    for saved_on, resumed_on in ((2, 1), (1, 2)):
+        out = tmp_path / f"from{saved_on}to{resumed_on}"
+        _image(launch, out, saved_on, *two_iters, "stop_after=1", sharded=saved_on == 2)
+        _image(launch, out, resumed_on, *two_iters, "resume=true", sharded=resumed_on == 2)
+        want = straight[saved_on]
+        got_rec, want_rec = _records(out), _records(want)
+        assert [r["iteration"] for r in got_rec] == [1, 2]
+        for key in ROLLOUT_KEYS:
+            assert got_rec[1][key] == want_rec[1][key], (saved_on, resumed_on, key)
+        for name in ("lora", "lora_ema"):
+            diff = _max_diff(_lora(out, name), _lora(want, name))
+            assert diff <= 4 * spread, (saved_on, resumed_on, name, diff, spread)
+
+
+def test_image_methods_under_zero2_on_two_ranks(launch, tmp_path):
+    """DiffusionNFT (its old policy, a second adapter, outside the engine's optimizer), Adv-GRPO (its own
+    discriminator optimizer beside the engine) and a full fine-tune with its frozen KL reference."""
+    from diffusers import SD3Transformer2DModel
+
+    for recipe in ("diffusion_nft", "adv_grpo"):
+        out = _image(launch, tmp_path / recipe, 2, "iterations=2", recipe=recipe)
+        assert max(float(v.abs().max()) for k, v in _lora(out).items() if "lora_B" in k) > 0, recipe
+        assert sum(r["optimizer_steps"] for r in _records(out)) > 0, recipe  # Adv-GRPO: 1 discriminator-only iteration
+        assert (out / "checkpoints/step_00000002/optim.policy.safetensors").is_file()
+    full = ["iterations=1", "model.finetune=full", "optim.lr=1e-3", "train.micro_batch_size=7"]
+    two = _image(launch, tmp_path / "full2", 2, *full)
+    plain = _image(launch, tmp_path / "full1", 1, *full, sharded=False)
+    exported = SD3Transformer2DModel.from_pretrained(two / "transformer")
+    reference = SD3Transformer2DModel.from_pretrained(plain / "transformer")
+    diffs = [
+        float((a - b).abs().max()) for a, b in zip(exported.state_dict().values(), reference.state_dict().values())
+    ]
+    assert max(diffs) < 1e-4, max(diffs)  # Adam steps of 1e-3: a missed or doubled gradient moves far more
+
+
+def test_text_trainer_zero2_matches_one_process_and_resumes_without_zero(launch, tmp_path):
+    def text(out: Path, world: int, micro: int, zero: bool = True, *extra: str) -> dict:
+        args = [str(ROOT / "configs/text/tiny_pattern.yaml"), f"output_dir={out}", "progress=false", "steps=1",
+                f"train.micro_batch_size={micro}", "checkpoint.save_final_model=true", *extra]  # fmt: skip
+        launch("train_text.py", args, world, zero)
+        return load_file(str(out / "final" / "model.safetensors"))
+
+    plain = text(tmp_path / "plain", 1, 4, False)
+    two = text(tmp_path / "two", 2, 4)
+    spread = max(_max_diff(plain, text(tmp_path / f"mb{m}", 1, m, False)) for m in (1, 16))
+    assert 0 < spread and _max_diff(two, plain) <= 2 * spread, (_max_diff(two, plain), spread)
+    r_plain, r_two = _records(tmp_path / "plain")[0], _records(tmp_path / "two")[0]
+    assert r_two["reward_mean"] == r_plain["reward_mean"] and r_two["tokens/generated"] == r_plain["tokens/generated"]
+
+    # saved on 2 ZeRO ranks, resumed on one plain process: step 2 generates from exactly the saved weights
+    args = [str(ROOT / "configs/text/tiny_pattern.yaml"), "progress=false", "steps=2", "checkpoint.every=1"]
+    launch("train_text.py", [*args, f"output_dir={tmp_path / 'resumed'}", "stop_after=1"], 2)
+    launch("train_text.py", [*args, f"output_dir={tmp_path / 'resumed'}", "resume=true"], 1, False)
+    launch("train_text.py", [*args, f"output_dir={tmp_path / 'straight'}"], 2)
+    got, want = _records(tmp_path / "resumed")[1], _records(tmp_path / "straight")[1]
+    for key in ("reward_mean", "tokens/generated", "completions/mean_length"):
+        assert got[key] == want[key], key
+    assert got["loss/policy"] == pytest.approx(want["loss/policy"], rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "script,config,extra",
+    [
+        ("train_t2i.py", "configs/t2i/tiny/flow_grpo.yaml", ["iterations=2", "prompts_per_iteration=2"]),
+        ("train_text.py", "configs/text/tiny_pattern.yaml", ["steps=2"]),
+    ],
+    ids=["t2i", "text"],
+)
+def test_accelerate_launch_with_the_shipped_zero2_file(tmp_path, script, config, extra):
+    """The command docs/scaling.md gives, for 2 CPU processes: accelerate's launcher, which hands the run to
+    DeepSpeed's own launcher with the shipped configs/accelerate/deepspeed_zero2.yaml."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    cli = "import sys, torchvision_cpu_hook; from accelerate.commands.accelerate_cli import main; sys.exit(main())"
+    argv = [sys.executable, "-c", cli, "launch", "--config_file", str(ROOT / "configs/accelerate/deepspeed_zero2.yaml"),
+            "--num_processes", "2", "--main_process_port", "0", str(ROOT / "scripts" / script), str(ROOT / config),
+            f"output_dir={out}", "progress=false", *extra]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    env = {k: v for k, v in env.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("metrics in") == 1  # one summary per run, from rank 0
+    assert len(_records(out)) == 2
+    assert (out / "checkpoints" / "step_00000002" / "optim.policy.safetensors").is_file()
