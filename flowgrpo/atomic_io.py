@@ -86,3 +86,12 @@ def replace_text_atomically(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def own_storage(t: torch.Tensor) -> torch.Tensor:
+    """`t` in a storage of its own, as safetensors writes tensors: a DeepSpeed ZeRO engine keeps the trained
+    weights as views into one flat buffer (copied to the host, one tensor at a time)."""
+    t = t.contiguous()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        return t.to("cpu", copy=True)
+    return t

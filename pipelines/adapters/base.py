@@ -23,6 +23,8 @@ from typing import Any, ClassVar, Iterator, Sequence
 import torch
 from torch import Tensor
 
+from flowgrpo.atomic_io import own_storage
+
 CFG_MODES = ("full", "detach_uncond", "none")
 LORA_INITS = ("gaussian", "default")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -368,9 +370,8 @@ class Adapter(abc.ABC):
     def save_lora(
         self, path: str | os.PathLike, adapter_name: str = "default", state: dict[str, Tensor] | None = None
     ) -> str:
-        """Write `path/pytorch_lora_weights.safetensors` (+ LoraConfig as metadata, so alpha survives)
-        with diffusers' own writer: `<Pipeline>.load_lora_weights(path)` reads it. `state`: the denoiser's
-        weights gathered from a sharded run (default: read from the live model)."""
+        """Write `path/pytorch_lora_weights.safetensors` (+ LoraConfig as metadata, so alpha survives) with diffusers'
+        writer for `<Pipeline>.load_lora_weights(path)`. `state`: the weights gathered from a sharded run."""
         from peft.utils import get_peft_model_state_dict
 
         if adapter_name not in getattr(self.denoiser, "peft_config", {}):
@@ -385,9 +386,8 @@ class Adapter(abc.ABC):
         return os.fspath(path)
 
     def save_denoiser(self, path: str | os.PathLike, state: dict[str, Tensor] | None = None) -> str:
-        """A fully fine-tuned denoiser as a diffusers model folder (config.json + safetensors shards), which
-        `<Model>.from_pretrained(path)` and a pipeline's `<denoiser_name>=` argument load. `state`: the weights
-        gathered from a sharded run (default: the live model's)."""
+        """A fully fine-tuned denoiser as a diffusers model folder (config.json + safetensors shards) for
+        `<Model>.from_pretrained(path)`. `state`: the weights gathered from a sharded run (default: the live model's)."""
         from huggingface_hub import save_torch_state_dict
 
         model = self.denoiser
@@ -403,7 +403,7 @@ class Adapter(abc.ABC):
             json.dump({**config, "_class_name": cls.__name__}, f, indent=2, sort_keys=True)
         state = model.state_dict() if state is None else state
         save_torch_state_dict(
-            {k: _own_storage(v.detach()) for k, v in state.items()},
+            {k: own_storage(v.detach()) for k, v in state.items()},
             os.fspath(path),
             filename_pattern="diffusion_pytorch_model{suffix}.safetensors",
             max_shard_size="10GB",
@@ -498,12 +498,3 @@ def _pad(t: Tensor, n: int) -> Tensor:
 def _stack(rows: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     n = max(r["embeds"].shape[1] for r in rows)
     return {k: torch.cat([r[k] if k == "pooled" else _pad(r[k], n) for r in rows]) for k in rows[0]}
-
-
-def _own_storage(t: Tensor) -> Tensor:
-    """`t` in a storage of its own, as safetensors writes it: a DeepSpeed ZeRO engine keeps the trained
-    weights as views into one flat buffer (copied to the host, one tensor at a time)."""
-    t = t.contiguous()
-    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
-        return t.to("cpu", copy=True)
-    return t
