@@ -13,9 +13,10 @@ gathered on every rank, and micro-batch k of every mini-batch on rank k % world_
 Sharded runs (an `accelerate launch` with configs/accelerate/fsdp2.yaml): the same split of the work, with the
 models sharded by FSDP2 (`Distributed.shard`), which sums the gradients in backward; every rank then runs as
 many forward / backward passes as the busiest one (`passes_to_pad`), since each pass gathers shards from all.
-ZeRO runs (deepspeed_zero1.yaml / deepspeed_zero2.yaml): the same split; the optimizer step goes through a
+ZeRO runs (deepspeed_zero2.yaml / deepspeed_zero3.yaml): the same split; the optimizer step goes through a
 DeepSpeed engine (flowgrpo.scaling.zero, built by `OptimizerStep`), whose backward reduces gradient buckets, so
-every rank runs as many backward passes too (`lockstep`).
+every rank runs as many backward passes too (`lockstep`); under ZeRO-3 every forward gathers weights, as under
+FSDP2 (`gathers_weights`).
 """
 
 from __future__ import annotations
@@ -108,6 +109,12 @@ class Distributed:
     @property
     def sharded(self) -> bool:
         return self.sharding is not None
+
+    @property
+    def gathers_weights(self) -> bool:
+        """Every forward gathers weights from all ranks (FSDP2, ZeRO-3): evaluation, exports and generation run
+        on every rank together."""
+        return self.sharded or (self.zero is not None and self.zero.stage == 3)
 
     @property
     def lockstep(self) -> bool:

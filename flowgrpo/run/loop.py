@@ -286,9 +286,9 @@ class RunLoop:
         return history
 
     def _all_ranks_or_main(self) -> bool:
-        """Rank 0 evaluates and exports alone, except in a sharded run: there every rank holds a part of each
-        weight, so every rank takes part in each forward and in gathering the weights to export."""
-        return self.dist.is_main or self.dist.sharded
+        """Rank 0 evaluates and exports alone, except in a sharded or ZeRO-3 run: there every rank holds a part
+        of the weights, so every rank takes part in each forward and in gathering the weights to export."""
+        return self.dist.is_main or self.dist.gathers_weights
 
     def _checkpoint_due(self, end: int) -> bool:
         every = self.cfg.checkpoint.every

@@ -9,13 +9,13 @@ W ranks (bf16 = 2 bytes, fp32 = 4):
     DDP      2F + 4T             4T          8T    (m, v)          -
     FSDP2    (2F + 4T) / W       4T / W      8T / W (m, v)         2 (root + 2 largest blocks)
     ZeRO-2   2F + 4T             4T / W      12T / W (master,m,v)  -
-    ZeRO-3   2(F + T) / W        2T / W      12T / W (master,m,v)  2 (2 largest blocks)
+    ZeRO-3   2F / W + 4T         4T / W      12T / W (master,m,v)  2 (2 largest blocks)
 
 DDP and FSDP2 keep trained weights in fp32 (the fp32 parameter is the master copy; compute is bf16).
-flowgrpo's ZeRO-2 (flowgrpo.scaling.zero) keeps the module as the recipe loads it (fp32 trained weights,
-DeepSpeed's bf16 mode off), and DeepSpeed adds its fp32 master partition to the AdamW moments. ZeRO-3 is
-DeepSpeed's own layout (a bf16 module, the ZeRO paper's 2 + 2 + 12 bytes): flowgrpo refuses it and shards
-weights with FSDP2 instead; its rows show what DeepSpeed would need. FSDP2's root unit (embeddings, final layers) stays gathered between forwards (see
+flowgrpo's ZeRO (flowgrpo.scaling.zero) keeps the module as the recipe loads it (fp32 trained weights,
+DeepSpeed's bf16 mode off), and DeepSpeed adds its fp32 master partition to the AdamW moments; under ZeRO-3
+the frozen base is partitioned and the trained (LoRA) weights stay whole on every rank. A full fine-tune has
+no frozen base: flowgrpo refuses it under ZeRO-3 (its rows show why: nothing shrinks) and shards it with FSDP2. FSDP2's root unit (embeddings, final layers) stays gathered between forwards (see
 sharding.shard_model); blocks are gathered one ahead of use (prefetch), hence 2 blocks.
 
 Activations (any engine, any W; data parallel does not split them), per the estimate of Korthikanti
@@ -289,7 +289,7 @@ def memory_row(f: ModelFacts, mode: str, engine: str, world: int) -> MemoryRow:
     elif engine == "ZeRO-2":
         params, grads, optim, gathered = 2 * frozen + 4 * trained, 4 * trained / w, 12 * trained / w, 0
     else:  # ZeRO-3
-        params, grads, optim = 2 * (frozen + trained) / w, 2 * trained / w, 12 * trained / w
+        params, grads, optim = 2 * frozen / w + 4 * trained, 4 * trained / w, 12 * trained / w
         gathered = 2 * 2 * f.largest_block
     return MemoryRow(
         f.name, mode, engine, world, params / GiB, grads / GiB, optim / GiB, gathered / GiB, activation_bytes(f) / GiB

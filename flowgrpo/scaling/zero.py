@@ -1,17 +1,22 @@
-"""DeepSpeed ZeRO-1 / ZeRO-2 for the trainers: the engine sums gradients over ranks, partitions them and the
-AdamW moments, clips and steps; the trainers keep their own loop.
+"""DeepSpeed ZeRO for the trainers: the engine sums gradients over ranks, partitions them and the AdamW
+moments, clips and steps; the trainers keep their own loop.
 
-`accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml` exports the settings; they are read
-through accelerate's own DeepSpeed plugin (`ZeroConfig.from_accelerate_env`). Every rank keeps the whole model
-(ZeRO-1 / 2 partition only gradients and optimizer states), so the frozen reference, the EMA, DiffusionNFT's
-old policy, exports and vLLM syncs read the weights as in a data-parallel run.
+`accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml` (or deepspeed_zero3.yaml) exports the
+settings; they are read through accelerate's own DeepSpeed plugin (`ZeroConfig.from_accelerate_env`). Under
+ZeRO-1 / 2 every rank keeps the whole model; under ZeRO-3 the engine partitions the frozen weights (a LoRA run's
+base model) and keeps the trained ones whole on every rank (`stage3_param_persistence_threshold` above the
+largest LoRA tensor). Either way the trained weights are whole, so the KL reference (LoRA off), the EMA,
+DiffusionNFT's old-policy adapter and the exports read them as in a data-parallel run. A full fine-tune has no
+frozen base to partition: under ZeRO-3 it is refused (fsdp2.yaml shards its weights).
 
 How the trainers drive the engine (`ZeroEngine`), and why:
 - gradient accumulation is "unmanaged": `engine.step()` is the accumulation boundary, so an update may take
   any number of micro-batches (tree edges, uneven splits), as in the data-parallel path;
 - the trainers call the model directly, not through `engine(...)`; a forward pre-hook does the one thing the
-  engine's forward does for ZeRO before a pass (`clear_backward_seen_flag`: without it the partitions of the
-  next micro-batch overwrite instead of adding; measured);
+  engine's forward does for ZeRO before a pass (`clear_backward_seen_flag`: without it ZeRO-3's partitions
+  kept only the last micro-batch's gradients; measured);
+- ZeRO-3's `memory_efficient_linear` is off: it swaps `torch.nn.functional.linear` for the whole process (VAE
+  and reward models included) for a matmul + add that rounds differently from a run without DeepSpeed;
 - each rank's loss already carries the global normaliser, and DeepSpeed averages over ranks, so `backward`
   scales the loss by the world size (the average of the scaled losses is their sum);
 - DeepSpeed clips to the recipe's `optim.max_grad_norm` and skips a step whose gradients hold NaN / inf
@@ -20,8 +25,8 @@ How the trainers drive the engine (`ZeroEngine`), and why:
 Checkpoints stay the plain, world-size-free format of a data-parallel run: the AdamW moments of every
 parameter are gathered from the partitions (`FullOptimizerState`, DeepSpeed's `safe_get_full_optimizer_state`)
 and written by rank 0 as safetensors; a resume on any world size, with or without ZeRO, scatters them back.
-ZeRO-3 is refused: it partitions the weights themselves (configs/accelerate/fsdp2.yaml shards the same way and
-is supported).
+ZeRO-3 runs every forward as a collective (each gathers the partitioned weights), so its runs keep every
+rank's forwards in step as FSDP2's do (`Distributed.gathers_weights`).
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ class ZeroError(RuntimeError):
 
 @dataclass(frozen=True)
 class ZeroConfig:
-    """The ZeRO stage an accelerate DeepSpeed launch asks for (1 or 2), and the user's own DeepSpeed JSON."""
+    """The ZeRO stage an accelerate DeepSpeed launch asks for (1, 2 or 3), and the user's own DeepSpeed JSON."""
 
     stage: int = 2
     config_file: Optional[str] = None
@@ -61,14 +66,12 @@ class ZeroConfig:
         ds = plugin.deepspeed_config
         zero = ds.get("zero_optimization", {})
         stage = int(zero.get("stage", plugin.zero_stage))
-        if stage == 3:
+        if stage not in (1, 2, 3):
+            raise ZeroError(f"zero_stage {stage}: flowgrpo runs ZeRO stages 1, 2 and 3 (or FSDP2: fsdp2.yaml)")
+        if stage == 3 and plugin.zero3_init_flag:
             raise ZeroError(
-                "ZeRO-3 partitions the weights themselves, which flowgrpo's trainers do not drive through "
-                "DeepSpeed; launch with configs/accelerate/fsdp2.yaml (FSDP2 shards weights, gradients and "
-                "optimizer states as ZeRO-3 does, with sharded checkpoints) or deepspeed_zero2.yaml"
+                "zero3_init_flag: flowgrpo loads the model, then the engine partitions it (set it to false)"
             )
-        if stage not in (1, 2):
-            raise ZeroError(f"zero_stage {stage}: flowgrpo runs ZeRO stage 1 or 2 (or FSDP2: fsdp2.yaml)")
         for kind in ("offload_optimizer", "offload_param"):
             device = (zero.get(kind) or {}).get("device", "none")
             if str(device).lower() not in ("none", "auto"):
@@ -89,7 +92,7 @@ class ZeroConfig:
         clipping = float(clip) if isinstance(clip, (int, float)) or _is_number(clip) else None
         return cls(stage=stage, config_file=env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None, clipping=clipping)
 
-    def deepspeed_config(self, max_grad_norm: Optional[float]) -> dict[str, Any]:
+    def deepspeed_config(self, max_grad_norm: Optional[float], persist_above: int = 0) -> dict[str, Any]:
         """The DeepSpeed config of the engine (the user's JSON, if any, under flowgrpo's fixed settings)."""
         base: dict[str, Any] = {}
         if self.config_file:
@@ -102,6 +105,9 @@ class ZeroConfig:
                 f"{max_grad_norm}; flowgrpo hands the recipe's to DeepSpeed: make them equal (or leave it auto)"
             )
         zero = {**base.get("zero_optimization", {}), "stage": self.stage}
+        if self.stage == 3:  # tensors up to this size stay whole on every rank: the trained (LoRA) ones
+            zero["stage3_param_persistence_threshold"] = persist_above
+            zero.setdefault("memory_efficient_linear", False)
         return {
             **{k: v for k, v in base.items() if k not in ("bf16", "fp16", "optimizer", "scheduler")},
             "train_micro_batch_size_per_gpu": 1,
@@ -123,6 +129,21 @@ def _is_number(value: Any) -> bool:
     return True
 
 
+def _whole_on_every_rank(module: torch.nn.Module, stage: int) -> int:
+    """ZeRO-3's persistence threshold: one more than the largest trained or LoRA tensor (DiffusionNFT's
+    old-policy adapter is frozen LoRA), so that those stay whole and only the frozen base is partitioned."""
+    if stage != 3:
+        return 0
+    kept = [p.numel() for n, p in module.named_parameters() if p.requires_grad or "lora_" in n]
+    threshold = max(kept, default=0) + 1
+    if not any(not p.requires_grad and p.numel() >= threshold for p in module.parameters()):
+        raise ZeroError(
+            "ZeRO-3 partitions the frozen base of a LoRA run and keeps the trained weights whole; a full "
+            "fine-tune has no frozen base: shard its weights with configs/accelerate/fsdp2.yaml (or run ZeRO-2)"
+        )
+    return threshold
+
+
 class ZeroEngine:
     """A DeepSpeed engine over `module` and its AdamW: backward, step, the step's gradient norm."""
 
@@ -138,12 +159,16 @@ class ZeroEngine:
 
         self.world_size = world_size
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        persist = _whole_on_every_rank(module, cfg.stage)
         self.group_sizes = [len(group["params"]) for group in optimizer.param_groups]  # DeepSpeed flattens them
         self.inner = optimizer  # the torch AdamW: its param groups (and the LR the schedule sets) stay live
         # DeepSpeed reads LOCAL_RANK, which a one-process run (no launcher: a run resumed on one GPU) lacks
         os.environ.setdefault("LOCAL_RANK", "0")
         self.engine, _, _, _ = deepspeed.initialize(
-            model=module, optimizer=optimizer, config=cfg.deepspeed_config(max_grad_norm), dist_init_required=False
+            model=module,
+            optimizer=optimizer,
+            config=cfg.deepspeed_config(max_grad_norm, persist),
+            dist_init_required=False,
         )
         module.register_forward_pre_hook(self._before_forward)
 

@@ -128,9 +128,9 @@ class TextGRPOTrainer(RunLoop):
             self.params, self.optimizer, cfg.optim.max_grad_norm, self.dist, guard=self.guard, module=self.model
         )
         self.shared_prompt: Optional[bool] = None if cfg.train.shared_prompt == "auto" else cfg.train.shared_prompt
-        if self.dist.sharded:
+        if self.dist.gathers_weights:
             # the shared-prompt path runs one or two forwards depending on the rows; every rank of a sharded
-            # run must run the same number, so it takes the plain forward (one per micro-batch)
+            # (or ZeRO-3) run must run the same number, so it takes the plain forward (one per micro-batch)
             self.shared_prompt = False
         if cfg.resume:
             self.resume()
@@ -138,7 +138,11 @@ class TextGRPOTrainer(RunLoop):
     def _build_generator(self) -> Any:
         gen = self.cfg.generation
         if gen.backend == "transformers":
-            return TransformersGenerator(self.model, self.tokenizer, gen, synced=self.dist.sharded)
+            return TransformersGenerator(self.model, self.tokenizer, gen, synced=self.dist.gathers_weights)
+        if self.dist.zero is not None and self.dist.zero.stage == 3:
+            raise ConfigError(
+                "generation.backend vllm under ZeRO-3: the policy's weights are partitioned; use ZeRO-2 or FSDP2"
+            )
         from .vllm_backend import VLLMGenerator
 
         m = self.cfg.model

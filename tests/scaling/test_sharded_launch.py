@@ -1,6 +1,6 @@
 """What an `accelerate launch` with each shipped config makes of a run: FSDP2 sharding from the FSDP files, a
-ZeRO stage from the DeepSpeed ZeRO-2 file, a one-line refusal for what the trainers cannot run (ZeRO-3,
-offloading, DeepSpeed's bf16) before any model loads, nothing for DDP."""
+ZeRO stage from the DeepSpeed files, a one-line refusal for what the trainers cannot run (zero3_init_flag,
+offloading, DeepSpeed's bf16, its gradient accumulation) before any model loads, nothing for DDP."""
 
 from __future__ import annotations
 
@@ -31,18 +31,38 @@ def test_a_deepspeed_launch_runs_zero_not_fsdp(value):
 @pytest.mark.parametrize(
     "change,words",
     [
-        ({"ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}, ["ZeRO-3", "configs/accelerate/fsdp2.yaml"]),
+        ({"ACCELERATE_DEEPSPEED_ZERO_STAGE": "3", "ACCELERATE_DEEPSPEED_ZERO3_INIT": "true"}, ["zero3_init_flag"]),
         ({"ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu"}, ["offload_optimizer", "none"]),
         ({"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4"}, ["gradient_accumulation_steps 4", "set it to 1"]),
         ({"ACCELERATE_MIXED_PRECISION": "bf16"}, ["mixed_precision 'bf16'", "model.dtype"]),
     ],
-    ids=["zero3", "offload", "accumulation", "bf16"],
+    ids=["zero3_init", "offload", "accumulation", "bf16"],
 )
 def test_what_zero_cannot_run_is_refused_in_one_line(change, words):
     with pytest.raises(ConfigError) as err:
         zero_from_launch({**ZERO2, **change})
     text = str(err.value)
     assert len(text.splitlines()) == 1 and all(w in text for w in words), text
+
+
+def test_zero3_keeps_trained_and_lora_tensors_whole():
+    from flowgrpo.scaling.zero import ZeroError, _whole_on_every_rank
+
+    zero = zero_from_launch(
+        {**ZERO2, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3", "ACCELERATE_DEEPSPEED_ZERO3_INIT": "false"}
+    )
+    assert zero is not None and zero.stage == 3
+    base, lora_a, old_b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 4, bias=False), torch.nn.Linear(4, 16)
+    model = torch.nn.ModuleDict({"base": base, "lora_A": lora_a, "old_lora_B": old_b}).requires_grad_(False)
+    lora_a.requires_grad_(True)
+    threshold = _whole_on_every_rank(model, 3)
+    assert threshold == 16 * 4 + 1  # above the trained lora_A and the frozen old-policy LoRA tensors
+    config = zero.deepspeed_config(1.0, threshold)["zero_optimization"]
+    assert config["stage3_param_persistence_threshold"] == threshold and base.weight.numel() >= threshold
+    assert config["memory_efficient_linear"] is False  # DeepSpeed's own linear would change every linear's rounding
+    with pytest.raises(ZeroError, match="full fine-tune"):
+        _whole_on_every_rank(model.requires_grad_(True), 3)  # nothing frozen left to partition
+    assert _whole_on_every_rank(model, 2) == 0
 
 
 def test_a_clipping_other_than_the_recipe_s_is_refused():
@@ -75,18 +95,15 @@ def test_fsdp1_config_is_refused():
         ("fsdp2.yaml", "fsdp2"),
         ("fsdp2_two_nodes.yaml", "fsdp2"),
         ("deepspeed_zero2.yaml", "zero2"),
-        ("deepspeed_zero3.yaml", "refused"),
+        ("deepspeed_zero3.yaml", "zero3"),
     ],
 )
 def test_the_shipped_accelerate_configs(name, engine):
     """The environment the installed accelerate exports for each shipped file."""
     _, env = _launch_env(ACCELERATE / name)
-    if engine == "refused":
-        with pytest.raises(ConfigError, match="ZeRO-3"):
-            zero_from_launch(env)
-    elif engine == "zero2":
+    if engine in ("zero2", "zero3"):
         zero = zero_from_launch(env)
-        assert zero is not None and zero.stage == 2 and zero.clipping is None
+        assert zero is not None and zero.stage == int(engine[-1]) and zero.clipping is None
         assert sharding_from_launch(env) is None
     elif engine is None:
         assert sharding_from_launch(env) is None and zero_from_launch(env) is None
@@ -120,20 +137,15 @@ def test_one_sharded_process_gets_a_process_group_of_one(monkeypatch):
     "command,config",
     [("train-t2i", "configs/t2i/tiny/flow_grpo.yaml"), ("train-text", "configs/text/tiny_pattern.yaml")],
 )
-def test_both_trainers_refuse_zero3_in_one_line_before_loading(tmp_path, command, config):
+def test_both_trainers_refuse_zero3_init_in_one_line_before_loading(tmp_path, command, config):
     out = tmp_path / "out"
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "PYTHONPATH": str(ROOT),
-        **ZERO2,
-        "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
-    }
+    zero3_init = {"ACCELERATE_DEEPSPEED_ZERO_STAGE": "3", "ACCELERATE_DEEPSPEED_ZERO3_INIT": "true"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), **ZERO2, **zero3_init}
     code = "import sys\nfrom flowgrpo.cli import main\nsys.exit(main(sys.argv[1:]))\n"
     argv = [sys.executable, "-c", code, command, str(ROOT / config), f"output_dir={out}"]
     done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
     text = done.stderr.strip()
     assert "Traceback" not in text and len(text.splitlines()) == 1, text
-    assert "ZeRO-3" in text and "DeepSpeed" in text
+    assert "zero3_init_flag" in text and "DeepSpeed" in text
     assert not out.exists()  # stopped before the run loop made its folder, so before any model

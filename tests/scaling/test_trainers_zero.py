@@ -1,6 +1,7 @@
-"""Both trainers under DeepSpeed ZeRO-2 (the environment `accelerate launch --config_file
-configs/accelerate/deepspeed_zero2.yaml` exports; DeepSpeed's CPU accelerator with gloo): the same result as one
-process, checkpoints in the plain format that resume on another world size with or without ZeRO.
+"""Both trainers under DeepSpeed ZeRO-2 and ZeRO-3 (the environment `accelerate launch --config_file
+configs/accelerate/deepspeed_zero2.yaml` / `deepspeed_zero3.yaml` exports; DeepSpeed's CPU accelerator with
+gloo): the same result as one process, checkpoints in the plain format that resume on another world size with
+or without ZeRO.
 
 Tolerances as in tests/scaling/test_trainers_fsdp.py: the engine sums the same float32 gradients in another
 order, so the weights are compared against the spread other micro-batch sizes give one process; what comes from
@@ -27,6 +28,7 @@ ZERO_ENV = {
     "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "none",
     "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "none",
     "ACCELERATE_MIXED_PRECISION": "no",
+    "ACCELERATE_DEEPSPEED_ZERO3_INIT": "false",
 }
 
 
@@ -34,16 +36,18 @@ ZERO_ENV = {
 def launch(launch_ranks, monkeypatch):
     """launch(script, args, world, zero=True): `launch_ranks` with or without the ZeRO-2 environment."""
 
-    def run(script: str, args: list[str], world: int, zero: bool = True) -> None:
+    def run(script: str, args: list[str], world: int, zero: bool | int = True, check: bool = True):
+        """`zero`: False (no DeepSpeed), True (ZeRO-2) or a stage."""
+        stage = 2 if zero is True else int(zero)
         with monkeypatch.context() as m:
             for key in ("ACCELERATE_USE_FSDP", "FSDP_VERSION"):
                 m.delenv(key, raising=False)
-            for key, value in ZERO_ENV.items():
+            for key, value in {**ZERO_ENV, "ACCELERATE_DEEPSPEED_ZERO_STAGE": str(stage)}.items():
                 if zero:
                     m.setenv(key, value)
                 else:
                     m.delenv(key, raising=False)
-            launch_ranks(script, args, world)
+            return launch_ranks(script, args, world, check=check)
 
     return run
 
@@ -136,6 +140,51 @@ def test_text_trainer_zero2_matches_one_process_and_resumes_without_zero(launch,
     for key in ("reward_mean", "tokens/generated", "completions/mean_length"):
         assert got[key] == want[key], key
     assert got["loss/policy"] == pytest.approx(want["loss/policy"], rel=1e-5)
+
+
+def test_zero3_lora_partitions_the_base_and_matches_one_process(launch, tmp_path):
+    """ZeRO-3 partitions a LoRA run's frozen base; the LoRA weights stay whole. Image side: 2 ranks against one
+    plain process (rollouts to the bit: ZeRO-3 runs with torch's own linear), resumed on 1 plain process;
+    DiffusionNFT's old-policy adapter; a full fine-tune refused in one line. Text side: 2 ranks against one
+    process (Adam's eps raised so that a gradient at rounding level cannot flip a first step's sign)."""
+    one_iter = ["iterations=1", "train.micro_batch_size=7"]
+    plain = _image(launch, tmp_path / "plain", 1, *one_iter, sharded=False)
+    two = _image(launch, tmp_path / "two", 2, *one_iter, sharded=3)
+    ref = _image(launch, tmp_path / "mb3", 1, "iterations=1", "train.micro_batch_size=3", sharded=False)
+    spread = _max_diff(_lora(plain), _lora(ref))
+    assert spread > 0 and _max_diff(_lora(two), _lora(plain)) <= 2 * spread, (
+        _max_diff(_lora(two), _lora(plain)),
+        spread,
+    )
+    for key in ROLLOUT_KEYS:
+        assert _records(two)[0][key] == _records(plain)[0][key], key
+    two_iters = ["iterations=2", "train.micro_batch_size=7"]
+    straight = _image(launch, tmp_path / "straight", 2, *two_iters, sharded=3)
+    out = tmp_path / "resumed"
+    _image(launch, out, 2, *two_iters, "stop_after=1", sharded=3)
+    _image(launch, out, 1, *two_iters, "resume=true", sharded=False)
+    for key in ROLLOUT_KEYS:
+        assert _records(out)[1][key] == _records(straight)[1][key], key
+    assert _max_diff(_lora(out), _lora(straight)) <= 4 * spread
+
+    nft = _image(launch, tmp_path / "nft", 2, "iterations=2", recipe="diffusion_nft", sharded=3)
+    assert max(float(v.abs().max()) for k, v in _lora(nft).items() if "lora_B" in k) > 0
+    args = [str(ROOT / "configs/t2i/tiny/flow_grpo.yaml"), f"output_dir={tmp_path / 'full'}", "model.finetune=full"]
+    (code, err), *_ = launch("train_t2i.py", args, 1, zero=3, check=False)
+    assert code == 2 and "Traceback" not in err and "fsdp2.yaml" in err and "full fine-tune" in err, err[-2000:]
+
+    def text(name: str, world: int, micro: int, zero: bool | int) -> dict:
+        args = [str(ROOT / "configs/text/tiny_pattern.yaml"), f"output_dir={tmp_path / name}", "progress=false",
+                "steps=1", f"train.micro_batch_size={micro}", "checkpoint.save_final_model=true",
+                "model.lora.enabled=true", "optim.lr=0.05", "optim.eps=1e-4", "train.shared_prompt=false"]  # fmt: skip
+        launch("train_text.py", args, world, zero)
+        return load_file(str(tmp_path / name / "final" / "adapter_model.safetensors"))
+
+    t_plain, t_two = text("t_plain", 1, 4, False), text("t_two", 2, 4, 3)
+    t_spread = _max_diff(t_plain, text("t_mb1", 1, 1, False))
+    assert 0 < t_spread and _max_diff(t_two, t_plain) <= 2 * t_spread, (_max_diff(t_two, t_plain), t_spread)
+    r_plain, r_two = _records(tmp_path / "t_plain")[0], _records(tmp_path / "t_two")[0]
+    assert r_two["reward_mean"] == r_plain["reward_mean"] and r_two["tokens/generated"] == r_plain["tokens/generated"]
 
 
 @pytest.mark.parametrize(
