@@ -1,7 +1,8 @@
 """The text trainer's rollout phase: generate P x G completions, score them, and (DAPO) refill the batch.
 
 Chunk c of a step's prompts is sampled with its own seed and scored on rank c % world_size; every rank
-gets the whole batch back in chunk order. With dynamic sampling, groups whose rewards do not vary are
+gets the whole batch back in chunk order. With `generation.rollout_split: k` each chunk is sampled as k parts
+(G / k completions of each of its prompts, each part its own seed and rank), joined back into whole groups. With dynamic sampling, groups whose rewards do not vary are
 dropped and more prompts are generated, for a bounded number of extra rounds.
 """
 
@@ -47,6 +48,16 @@ def group_batch(
     )
 
 
+def whole_groups(chunk_sizes: Sequence[int], k: int, G: int) -> torch.Tensor:
+    """Row order that joins split parts into whole groups: parts arrive chunk by chunk, part by part, each
+    [prompts of its chunk x G / k]; the result is [prompt x G] with part q's samples at q * G / k."""
+    g, rows, start = G // k, [], 0
+    for n in chunk_sizes:
+        rows += [start + q * n * g + j * g + r for j in range(n) for q in range(k) for r in range(g)]
+        start += n * G
+    return torch.tensor(rows, dtype=torch.long)
+
+
 class Collector:
     """Generates and scores the groups of each training step."""
 
@@ -90,20 +101,23 @@ class Collector:
         self, index: list[int], step: int, round_: int
     ) -> tuple[Rollout, RewardScores, float, float]:
         """The whole batch on every rank, and this rank's generate / reward seconds."""
-        per_call = prompts_per_call(self.cfg.generation)
+        gen = self.cfg.generation
+        per_call, k = prompts_per_call(gen), gen.rollout_split
         chunks = [index[s : s + per_call] for s in range(0, len(index), per_call)]
         local: list[tuple[int, Any, Any]] = []
         t_gen, t_rew, failure = 0.0, 0.0, None
         try:
-            mine = self.dist.my_chunks(len(chunks))
+            mine = self.dist.my_chunks(len(chunks) * k)  # part c of chunk c // k (k = 1: the chunks themselves)
             # generate on a sharded policy gathers its blocks: every rank calls it as often (vLLM holds its own copy)
             for _ in range(self.dist.passes_to_pad(len(mine)) if getattr(self.generator, "synced", False) else 0):
                 self.generator.generate([self.data.prompt_ids[chunks[0][0]]], chunks[0][:1], seed=0)
             for c in mine:
                 t0 = time.perf_counter()
+                prompts = chunks[c // k]
                 rollout = self.generator.generate(
-                    [self.data.prompt_ids[i] for i in chunks[c]], chunks[c], seed=self._chunk_seed(step, round_, c)
-                )
+                    [self.data.prompt_ids[i] for i in prompts], prompts, gen.group_size // k,
+                    seed=self._chunk_seed(step, round_, c),
+                )  # fmt: skip
                 t1 = time.perf_counter()
                 local.append((c, rollout, self._score(rollout, step)))
                 t_gen += t1 - t0
@@ -127,6 +141,10 @@ class Collector:
             [sum(col) for col in zip(*(sc.none_counts for sc in scores))],
             [sum(col) for col in zip(*(sc.error_counts for sc in scores))],
         )
+        if k > 1:
+            rows = whole_groups([len(c) for c in chunks], k, gen.group_size)
+            rollout = rollout.select_rows(rows, gen.group_size)
+            merged = replace(merged, values=merged.values[rows])
         return rollout, merged, t_gen, t_rew
 
     def collect(self, record: dict[str, Any], step: int) -> Optional[ScoredBatch]:

@@ -118,6 +118,9 @@ class GenerationConfig(StrictModel):
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
     batch_size: int = Field(64, ge=1)  # sequences per generate call
+    # a chunk's G samples per prompt are drawn in this many parts, each under its own seed on its own rank:
+    # groups straddle ranks, so more ranks than chunks of prompts still all generate (G divisible by it)
+    rollout_split: int = Field(1, ge=1)
     mask_truncated: bool = False  # DAPO overlong filtering: truncated completions leave the loss
     # record the sampler's log-prob of every token (always on with vLLM): the trainer then measures
     # how far the training forward is from it and corrects for it (`rollout_correction`)
@@ -242,6 +245,12 @@ class TextConfig(StrictModel):
                 f"generation.group_size 1: estimator '{est}' compares the samples of a group, so "
                 f"one sample has advantage 0 and nothing is learnt; use >= 2 (or one of "
                 f"{sorted(GROUPLESS_ESTIMATORS)})"
+            )
+        gen = self.generation
+        if gen.group_size % gen.rollout_split:
+            raise ValueError(
+                f"generation.rollout_split {gen.rollout_split} must divide generation.group_size {gen.group_size} "
+                "(each part samples group_size / rollout_split completions of every prompt)"
             )
         labels = [r.label for r in self.rewards]
         dup = sorted({x for x in labels if labels.count(x) > 1})

@@ -49,7 +49,10 @@ class Rollout:
     def select_groups(self, groups: Sequence[int]) -> "Rollout":
         """The rollout restricted to whole groups (by group index), in the given order."""
         G = self.group_size
-        idx = torch.tensor([g * G + j for g in groups for j in range(G)], dtype=torch.long)
+        return self.select_rows(torch.tensor([g * G + j for g in groups for j in range(G)], dtype=torch.long), G)
+
+    def select_rows(self, idx: Tensor, group_size: int) -> "Rollout":
+        """Rows `idx`, in that order, read as groups of `group_size`."""
         return Rollout(
             self.prompt_ids[idx],
             self.prompt_mask[idx],
@@ -57,7 +60,7 @@ class Rollout:
             self.completion_mask[idx],
             self.truncated[idx],
             self.prompt_index[idx],
-            G,
+            group_size,
             None if self.rollout_logp is None else self.rollout_logp[idx],
         )
 

@@ -119,3 +119,22 @@ def test_a_reward_error_on_one_rank_stops_every_rank(tmp_path, launch_ranks):
     assert rc0 != 0 and rc1 != 0
     assert "reward function 'flaky' failed: ValueError: judge unreachable" in err1
     assert "failed on another rank" in err0 and "judge unreachable" in err0
+
+
+def test_groups_straddling_two_processes_match_one(tmp_path, launch_ranks):
+    """One prompt a step, its 8 completions sampled in 2 parts (generation.rollout_split): one part on each
+    rank, where without the split rank 1 would sit idle. The same samples and rewards as one process drawing
+    both parts, and the same update to float rounding."""
+    split = ["generation.prompts_per_step=1", "generation.group_size=8", "generation.rollout_split=2",
+             "dynamic_sampling.enabled=false", "steps=2"]  # fmt: skip
+    one, two = tmp_path / "one", tmp_path / "two"
+    _run(launch_ranks, one, 1, *split)
+    _run(launch_ranks, two, 2, *split)
+    m1, m2 = read_metrics(one / "metrics.jsonl"), read_metrics(two / "metrics.jsonl")
+    for a, b in zip(m1, m2, strict=True):
+        for key in ("reward_mean", "reward_std", "completions/mean_length", "tokens/generated"):
+            assert a[key] == b[key], key
+    t1, t2 = _lora(one), _lora(two)
+    assert max(float(t1[k].abs().max()) for k in t1 if "lora_B" in k) > 0
+    for k in t1:
+        torch.testing.assert_close(t1[k], t2[k], rtol=1e-4, atol=1e-6)
