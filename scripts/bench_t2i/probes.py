@@ -1,4 +1,5 @@
-"""Timing hooks: every denoiser forward, VAE decode and backward of one adapter, timed and counted."""
+"""Timing hooks: every denoiser forward, VAE decode and backward of one adapter, and every forward of the reward
+models (a reward scorer's torch modules: Adv-GRPO's DINOv2 discriminator, CLIP-type scorers), timed and counted."""
 
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ class ModelCallProbe:
     installed (every .backward() of the process: the policy's and, in Adv-GRPO, the discriminator's).
     """
 
-    def __init__(self, adapter):
+    def __init__(self, adapter, reward_scorers: tuple = ()):
         self.adapter = adapter
+        self.reward_scorers = tuple(reward_scorers)
         self.calls: list[tuple[str, float, float, int]] = []  # (kind, start, end, rows)
         self._open: list[tuple[float, int, bool]] = []
         self._lock = threading.Lock()
@@ -72,6 +74,27 @@ class ModelCallProbe:
 
         torch.Tensor.backward = timed_backward
         self._undo.append(lambda: setattr(torch.Tensor, "backward", backward))
+
+        # reward models run on the reward worker threads (and Adv-GRPO's discriminator in the update): a stack
+        # of open calls per thread
+        local = threading.local()
+
+        def reward_pre(module, args, kwargs):
+            stack = local.__dict__.setdefault("open", [])
+            stack.append((time.perf_counter(), _rows(args, kwargs)))
+
+        def reward_post(module, args, output):
+            stack = local.__dict__.get("open")
+            if stack:
+                t0, rows = stack.pop()
+                self._add("reward_model", t0, rows)
+
+        for module in {id(m): m for s in self.reward_scorers for m in reward_modules(s)}.values():
+            hooks = [
+                module.register_forward_pre_hook(reward_pre, with_kwargs=True),
+                module.register_forward_hook(reward_post, always_call=True),
+            ]
+            self._undo.append(lambda hooks=hooks: [h.remove() for h in hooks])
         return self
 
     def remove(self) -> None:
@@ -87,12 +110,14 @@ class ModelCallProbe:
         with self._lock:
             calls = self.calls[mark:]
         out: dict[str, float] = {}
-        for kind in ("fwd_nograd", "fwd_grad", "backward", "decode"):
+        for kind in ("fwd_nograd", "fwd_grad", "backward", "decode", "reward_model"):
             mine = [c for c in calls if c[0] == kind]
             out[f"{kind}_s"] = sum(c[2] - c[1] for c in mine)
             out[f"{kind}_calls"] = len(mine)
             out[f"{kind}_rows"] = sum(c[3] for c in mine)
-        out["union_fwd_decode_s"] = _union([c[1:3] for c in calls if c[0] != "backward"], t0, t1)
+        out["union_fwd_decode_s"] = _union(
+            [c[1:3] for c in calls if c[0] in ("fwd_nograd", "fwd_grad", "decode")], t0, t1
+        )
         out["union_all_s"] = _union([c[1:3] for c in calls], t0, t1)
         return out
 
@@ -106,3 +131,19 @@ def _union(intervals: list, lo: float, hi: float) -> float:
         total += b - max(a, end)
         end = b
     return total
+
+
+def reward_modules(scorer, depth: int = 2) -> list:
+    """The torch modules a reward scorer runs: its attributes that are modules, or attributes of its attributes
+    (e.g. a backbone wrapper's `.model`), outermost first; a module's own submodules are not listed again."""
+    import torch
+
+    found, todo = [], [(scorer, 0)]
+    while todo:
+        obj, level = todo.pop(0)
+        for value in vars(obj).values() if hasattr(obj, "__dict__") else ():
+            if isinstance(value, torch.nn.Module):
+                found.append(value)
+            elif level + 1 < depth and hasattr(value, "__dict__") and not isinstance(value, type):
+                todo.append((value, level + 1))
+    return found

@@ -99,7 +99,7 @@ def drive(cfg, warmup: int, iterations: int, before_iteration=None) -> dict[str,
     t_build = time.perf_counter()
     trainer = T2ITrainer(cfg)
     build_s = time.perf_counter() - t_build
-    probe = ModelCallProbe(trainer.adapter).install()
+    probe = ModelCallProbe(trainer.adapter, trainer.rewards.scorers).install()
     rows = []
     try:
         for k in range(warmup + iterations):

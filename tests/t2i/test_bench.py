@@ -127,3 +127,35 @@ def test_markdown_section(bench, run):
     bench.write_section(path, bench.markdown(result))
     shared = path.read_text()
     assert "\nold\n" not in shared and other in shared and shared.count(bench.SECTION) == 1
+
+
+def test_reward_model_forwards_count_as_model_calls():
+    """A reward scorer's torch modules (here Adv-GRPO's tiny DINOv2 discriminator: the backbone's model and the
+    head) are found and their forwards timed as model calls, from any thread; removing the probe unhooks them."""
+    import sys
+    import threading
+    from types import SimpleNamespace
+
+    from reward_models import build_scorer
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_t2i.probes import ModelCallProbe, reward_modules
+
+    scorer = build_scorer({"name": "dino_discriminator", "tiny": True})
+    modules = reward_modules(scorer)
+    assert scorer.backbone.model in modules and scorer.head in modules
+    adapter = SimpleNamespace(denoiser=torch.nn.Linear(2, 2), vae=SimpleNamespace(decode=lambda z: z))
+    probe = ModelCallProbe(adapter, (scorer,)).install()
+    images = torch.rand(2, 3, 32, 32)
+    try:
+        worker = threading.Thread(target=lambda: scorer(images, ["a", "b"], {}))
+        worker.start()
+        worker.join()
+        summary = probe.summary(0, 0.0, float("inf"))
+    finally:
+        probe.remove()
+    assert summary["reward_model_calls"] >= 2 and summary["reward_model_s"] > 0  # backbone and head at least
+    assert summary["union_all_s"] == pytest.approx(summary["reward_model_s"])  # backbone, then head: no overlap
+    mark = len(probe.calls)
+    scorer(images, ["a", "b"], {})
+    assert len(probe.calls) == mark  # unhooked
