@@ -46,7 +46,8 @@ def _env_true(env: Mapping[str, str], var: str) -> bool:
 
 def zero_from_launch(environ: Mapping[str, str] | None = None) -> Optional["ZeroConfig"]:
     """The ZeRO stage an `accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml` asks for (None
-    without DeepSpeed); what flowgrpo cannot run (ZeRO-3, offloading, DeepSpeed's bf16) is refused in one line."""
+    without DeepSpeed); what flowgrpo cannot run (zero3_init_flag, offloading, DeepSpeed's bf16) is refused in one
+    line."""
     env = os.environ if environ is None else environ
     if not _env_true(env, USE_DEEPSPEED):
         return None

@@ -32,7 +32,7 @@ rank's forwards in step as FSDP2's do (`Distributed.gathers_weights`).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 from unittest import mock
 
@@ -53,6 +53,7 @@ class ZeroConfig:
     stage: int = 2
     config_file: Optional[str] = None
     clipping: Optional[float] = None  # the launch's gradient_clipping (None: not set; must match the recipe)
+    settings: dict[str, Any] = field(default_factory=dict)  # the launch's DeepSpeed config (a user's JSON, or accelerate's)
 
     @classmethod
     def from_accelerate_env(cls, env: dict[str, str] | None = None) -> ZeroConfig:
@@ -90,26 +91,26 @@ class ZeroConfig:
             )
         clip = ds.get("gradient_clipping")
         clipping = float(clip) if isinstance(clip, (int, float)) or _is_number(clip) else None
-        return cls(stage=stage, config_file=env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None, clipping=clipping)
+        file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None
+        return cls(stage=stage, config_file=file, clipping=clipping, settings=dict(ds))
 
     def deepspeed_config(self, max_grad_norm: Optional[float], persist_above: int = 0) -> dict[str, Any]:
         """The DeepSpeed config of the engine (the user's JSON, if any, under flowgrpo's fixed settings)."""
-        base: dict[str, Any] = {}
-        if self.config_file:
-            from flowgrpo.atomic_io import from_json
-
-            base = from_json(open(self.config_file).read())
+        base = self.settings
         if self.clipping is not None and self.clipping != (max_grad_norm or 0.0):
             raise ZeroError(
                 f"the DeepSpeed config clips gradients at {self.clipping}, the recipe's optim.max_grad_norm is "
                 f"{max_grad_norm}; flowgrpo hands the recipe's to DeepSpeed: make them equal (or leave it auto)"
             )
-        zero = {**base.get("zero_optimization", {}), "stage": self.stage}
+        # "auto" is accelerate's placeholder, filled in by its `prepare`, which flowgrpo does not call: DeepSpeed's
+        # own default applies instead
+        zero = {k: v for k, v in base.get("zero_optimization", {}).items() if v != "auto"}
+        zero["stage"] = self.stage
         if self.stage == 3:  # tensors up to this size stay whole on every rank: the trained (LoRA) ones
             zero["stage3_param_persistence_threshold"] = persist_above
             zero.setdefault("memory_efficient_linear", False)
         return {
-            **{k: v for k, v in base.items() if k not in ("bf16", "fp16", "optimizer", "scheduler")},
+            **{k: v for k, v in base.items() if k not in ("bf16", "fp16", "optimizer", "scheduler") and v != "auto"},
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
             "managed_gradient_accumulation": False,  # engine.step() is the boundary: any number of micro-batches

@@ -65,6 +65,24 @@ def test_zero3_keeps_trained_and_lora_tensors_whole():
     assert _whole_on_every_rank(model, 2) == 0
 
 
+def test_a_deepspeed_json_of_the_user_is_read_with_accelerate_s_auto_values_left_to_deepspeed(tmp_path):
+    import json
+
+    file = tmp_path / "ds.json"
+    file.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "bf16": {"enabled": "auto"},
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto", "allgather_bucket_size": 5e8},
+        "optimizer": {"type": "AdamW"}, "wall_clock_breakdown": True,
+    }))  # fmt: skip
+    zero = zero_from_launch({**ZERO2, "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(file)})
+    assert zero is not None and zero.stage == 2 and zero.config_file == str(file)
+    config = zero.deepspeed_config(1.0)
+    assert config["zero_optimization"] == {"stage": 2, "allgather_bucket_size": 5e8}
+    assert config["train_micro_batch_size_per_gpu"] == 1 and config["gradient_accumulation_steps"] == 1
+    assert "bf16" not in config and "optimizer" not in config  # torch's AdamW, the recipe's precision
+    assert config["gradient_clipping"] == 1.0 and config["managed_gradient_accumulation"] is False
+
+
 def test_a_clipping_other_than_the_recipe_s_is_refused():
     from flowgrpo.scaling.zero import ZeroError
 
