@@ -53,7 +53,9 @@ class ZeroConfig:
     stage: int = 2
     config_file: Optional[str] = None
     clipping: Optional[float] = None  # the launch's gradient_clipping (None: not set; must match the recipe)
-    settings: dict[str, Any] = field(default_factory=dict)  # the launch's DeepSpeed config (a user's JSON, or accelerate's)
+    settings: dict[str, Any] = field(
+        default_factory=dict
+    )  # the launch's DeepSpeed config (a user's JSON, or accelerate's)
 
     @classmethod
     def from_accelerate_env(cls, env: dict[str, str] | None = None) -> ZeroConfig:
