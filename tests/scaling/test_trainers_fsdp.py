@@ -38,6 +38,15 @@ IMAGE = [
     "artifacts.plot=false", "loss.kl.coef=0.01", "train.mini_batches=2", "advantage.estimator.std_scope=batch",
     "optim.lr=0.03", "checkpoint.every=1", "eval.images_per_prompt=1",
 ]  # fmt: skip
+# a 2-iteration run of each trainer, for the `accelerate launch` tests of each shipped config
+BOTH_TRAINERS_LAUNCHED = pytest.mark.parametrize(
+    "script,config,extra",
+    [
+        ("train_t2i.py", "configs/t2i/tiny/flow_grpo.yaml", ["iterations=2", "prompts_per_iteration=2"]),
+        ("train_text.py", "configs/text/tiny_pattern.yaml", ["steps=2"]),
+    ],
+    ids=["t2i", "text"],
+)
 # world-size invariant quantities of a record (the rollout, its rewards and advantages)
 # (not nfe_nograd: a sharded rank's padding passes are forwards too, counted where they run)
 ROLLOUT_KEYS = ("reward_mean", "reward_std", "adv/mean", "adv/std", "adv/abs_max", "edges/trained", "images",
@@ -135,16 +144,11 @@ def test_a_model_without_the_listed_blocks_stops_in_one_line(launch_ranks, monke
     assert "JointTransformerBlock" in err and "fsdp_transformer_layer_cls_to_wrap" in err
 
 
-def test_image_methods_under_fsdp_on_two_ranks(launch, tmp_path):
-    """DiffusionNFT (its old policy is a second adapter inside the sharded blocks), Adv-GRPO (a replicated
-    discriminator beside the sharded policy) and a full fine-tune with its sharded frozen KL reference: each
-    trains, saves and exports on 2 sharded ranks; the full fine-tune's folder loads with diffusers."""
+def full_finetune_matches_one_process(launch, tmp_path: Path) -> Path:
+    """A full fine-tune (with its frozen KL reference) on 2 ranks of `launch`'s engine and in one plain process:
+    the exported `transformer/` folders load with diffusers and agree to 1e-4; the 2-rank run folder."""
     from diffusers import SD3Transformer2DModel
 
-    for recipe in ("diffusion_nft", "adv_grpo"):
-        out = _image(launch, tmp_path / recipe, 2, "iterations=2", recipe=recipe)
-        assert max(float(v.abs().max()) for k, v in _lora(out).items() if "lora_B" in k) > 0, recipe
-        assert (out / "checkpoints/step_00000002/sharded").is_dir()
     full = ["iterations=1", "model.finetune=full", "optim.lr=1e-3", "train.micro_batch_size=7"]
     two = _image(launch, tmp_path / "full2", 2, *full)
     plain = _image(launch, tmp_path / "full1", 1, *full, sharded=False)
@@ -154,6 +158,18 @@ def test_image_methods_under_fsdp_on_two_ranks(launch, tmp_path):
         float((a - b).abs().max()) for a, b in zip(exported.state_dict().values(), reference.state_dict().values())
     ]
     assert max(diffs) < 1e-4, max(diffs)  # Adam steps of 1e-3: a missed or doubled gradient moves far more
+    return two
+
+
+def test_image_methods_under_fsdp_on_two_ranks(launch, tmp_path):
+    """DiffusionNFT (its old policy is a second adapter inside the sharded blocks), Adv-GRPO (a replicated
+    discriminator beside the sharded policy) and a full fine-tune with its sharded frozen KL reference: each
+    trains, saves and exports on 2 sharded ranks; the full fine-tune's folder loads with diffusers."""
+    for recipe in ("diffusion_nft", "adv_grpo"):
+        out = _image(launch, tmp_path / recipe, 2, "iterations=2", recipe=recipe)
+        assert max(float(v.abs().max()) for k, v in _lora(out).items() if "lora_B" in k) > 0, recipe
+        assert (out / "checkpoints/step_00000002/sharded").is_dir()
+    two = full_finetune_matches_one_process(launch, tmp_path)
     assert (two / "transformer_ema").is_dir()
 
 
@@ -172,17 +188,19 @@ def test_text_trainer_sharded_matches_one_process(launch, tmp_path):
     assert r_two["reward_mean"] == r_plain["reward_mean"] and r_two["tokens/generated"] == r_plain["tokens/generated"]
 
 
-@pytest.mark.parametrize(
-    "script,config,extra",
-    [
-        ("train_t2i.py", "configs/t2i/tiny/flow_grpo.yaml", ["iterations=2", "prompts_per_iteration=2"]),
-        ("train_text.py", "configs/text/tiny_pattern.yaml", ["steps=2"]),
-    ],
-    ids=["t2i", "text"],
-)
+@BOTH_TRAINERS_LAUNCHED
 def test_accelerate_launch_with_the_shipped_fsdp2_file(tmp_path, script, config, extra):
     """The command docs/scaling.md gives, verbatim but for 2 CPU processes: accelerate's own launcher, the
     shipped configs/accelerate/fsdp2.yaml (bf16 compute, activation checkpointing), a sharded checkpoint."""
+    out = accelerate_launch("fsdp2.yaml", script, config, extra, tmp_path)
+    ckpt = sorted((out / "checkpoints").iterdir())[-1]
+    assert len(list((ckpt / "sharded").glob("*.safetensors"))) == 2  # each rank wrote its own shards
+    assert len(_records(out)) == 2
+
+
+def accelerate_launch(file: str, script: str, config: str, extra: list[str], tmp_path: Path) -> Path:
+    """`accelerate launch --config_file configs/accelerate/<file> --num_processes 2 scripts/<script> <config>`
+    as a user types it; the run folder, after checking that it ran and printed one summary (rank 0's)."""
     import os
     import subprocess
     import sys
@@ -191,7 +209,7 @@ def test_accelerate_launch_with_the_shipped_fsdp2_file(tmp_path, script, config,
     # the accelerate CLI imports transformers: on a CPU torch it needs the torchvision hook first (the trap in
     # pyproject.toml); on a GPU machine `accelerate launch ...` runs as is
     cli = "import sys, torchvision_cpu_hook; from accelerate.commands.accelerate_cli import main; sys.exit(main())"
-    argv = [sys.executable, "-c", cli, "launch", "--config_file", str(ROOT / "configs/accelerate/fsdp2.yaml"),
+    argv = [sys.executable, "-c", cli, "launch", "--config_file", str(ROOT / "configs/accelerate" / file),
             "--num_processes", "2", "--main_process_port", "0", str(ROOT / "scripts" / script), str(ROOT / config),
             f"output_dir={out}", "progress=false", *extra]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
@@ -199,9 +217,7 @@ def test_accelerate_launch_with_the_shipped_fsdp2_file(tmp_path, script, config,
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("metrics in") == 1  # one summary per run, from rank 0
-    ckpt = sorted((out / "checkpoints").iterdir())[-1]
-    assert len(list((ckpt / "sharded").glob("*.safetensors"))) == 2  # each rank wrote its own shards
-    assert len(_records(out)) == 2
+    return out
 
 
 def test_text_trainer_resumes_a_sharded_checkpoint_on_another_world_size(launch, tmp_path):

@@ -15,7 +15,17 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from .test_trainers_fsdp import ROLLOUT_KEYS, ROOT, _image, _lora, _max_diff, _records
+from .test_trainers_fsdp import (
+    BOTH_TRAINERS_LAUNCHED,
+    ROLLOUT_KEYS,
+    ROOT,
+    _image,
+    _lora,
+    _max_diff,
+    _records,
+    accelerate_launch,
+    full_finetune_matches_one_process,
+)
 
 pytestmark = pytest.mark.heavy
 
@@ -99,22 +109,12 @@ def test_image_trainer_zero2_matches_one_process_and_resumes_across_world_sizes(
 def test_image_methods_under_zero2_on_two_ranks(launch, tmp_path):
     """DiffusionNFT (its old policy, a second adapter, outside the engine's optimizer), Adv-GRPO (its own
     discriminator optimizer beside the engine) and a full fine-tune with its frozen KL reference."""
-    from diffusers import SD3Transformer2DModel
-
     for recipe in ("diffusion_nft", "adv_grpo"):
         out = _image(launch, tmp_path / recipe, 2, "iterations=2", recipe=recipe)
         assert max(float(v.abs().max()) for k, v in _lora(out).items() if "lora_B" in k) > 0, recipe
         assert sum(r["optimizer_steps"] for r in _records(out)) > 0, recipe  # Adv-GRPO: 1 discriminator-only iteration
         assert (out / "checkpoints/step_00000002/optim.policy.safetensors").is_file()
-    full = ["iterations=1", "model.finetune=full", "optim.lr=1e-3", "train.micro_batch_size=7"]
-    two = _image(launch, tmp_path / "full2", 2, *full)
-    plain = _image(launch, tmp_path / "full1", 1, *full, sharded=False)
-    exported = SD3Transformer2DModel.from_pretrained(two / "transformer")
-    reference = SD3Transformer2DModel.from_pretrained(plain / "transformer")
-    diffs = [
-        float((a - b).abs().max()) for a, b in zip(exported.state_dict().values(), reference.state_dict().values())
-    ]
-    assert max(diffs) < 1e-4, max(diffs)  # Adam steps of 1e-3: a missed or doubled gradient moves far more
+    full_finetune_matches_one_process(launch, tmp_path)
 
 
 def test_text_trainer_zero2_matches_one_process_and_resumes_without_zero(launch, tmp_path):
@@ -187,30 +187,10 @@ def test_zero3_lora_partitions_the_base_and_matches_one_process(launch, tmp_path
     assert r_two["reward_mean"] == r_plain["reward_mean"] and r_two["tokens/generated"] == r_plain["tokens/generated"]
 
 
-@pytest.mark.parametrize(
-    "script,config,extra",
-    [
-        ("train_t2i.py", "configs/t2i/tiny/flow_grpo.yaml", ["iterations=2", "prompts_per_iteration=2"]),
-        ("train_text.py", "configs/text/tiny_pattern.yaml", ["steps=2"]),
-    ],
-    ids=["t2i", "text"],
-)
+@BOTH_TRAINERS_LAUNCHED
 def test_accelerate_launch_with_the_shipped_zero2_file(tmp_path, script, config, extra):
-    """The command docs/scaling.md gives, for 2 CPU processes: accelerate's launcher, which hands the run to
-    DeepSpeed's own launcher with the shipped configs/accelerate/deepspeed_zero2.yaml."""
-    import os
-    import subprocess
-    import sys
-
-    out = tmp_path / "run"
-    cli = "import sys, torchvision_cpu_hook; from accelerate.commands.accelerate_cli import main; sys.exit(main())"
-    argv = [sys.executable, "-c", cli, "launch", "--config_file", str(ROOT / "configs/accelerate/deepspeed_zero2.yaml"),
-            "--num_processes", "2", "--main_process_port", "0", str(ROOT / "scripts" / script), str(ROOT / config),
-            f"output_dir={out}", "progress=false", *extra]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    env = {k: v for k, v in env.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("metrics in") == 1  # one summary per run, from rank 0
+    """The command docs/scaling.md gives, for 2 CPU processes: accelerate's launcher with the shipped
+    configs/accelerate/deepspeed_zero2.yaml; checkpoints in the plain format."""
+    out = accelerate_launch("deepspeed_zero2.yaml", script, config, extra, tmp_path)
     assert len(_records(out)) == 2
     assert (out / "checkpoints" / "step_00000002" / "optim.policy.safetensors").is_file()
