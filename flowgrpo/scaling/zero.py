@@ -14,7 +14,8 @@ How the trainers drive the engine (`ZeroEngine`), and why:
   any number of micro-batches (tree edges, uneven splits), as in the data-parallel path;
 - the trainers call the model directly, not through `engine(...)`; a forward pre-hook does the one thing the
   engine's forward does for ZeRO before a pass (`clear_backward_seen_flag`: without it ZeRO-3's partitions
-  kept only the last micro-batch's gradients; measured);
+  kept only the last micro-batch's gradients; measured). ZeRO-3 adds a backward's gradients to the previous
+  ones only when a forward ran in between, so each backward follows its own forward, as in the trainers;
 - ZeRO-3's `memory_efficient_linear` is off: it swaps `torch.nn.functional.linear` for the whole process (VAE
   and reward models included) for a matmul + add that rounds differently from a run without DeepSpeed;
 - each rank's loss already carries the global normaliser, and DeepSpeed averages over ranks, so `backward`
@@ -160,7 +161,7 @@ class ZeroEngine:
     ) -> None:
         import deepspeed
 
-        self.world_size = world_size
+        self.world_size, self.stage = world_size, cfg.stage
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         persist = _whole_on_every_rank(module, cfg.stage)
         self.group_sizes = [len(group["params"]) for group in optimizer.param_groups]  # DeepSpeed flattens them
@@ -215,9 +216,11 @@ class ZeroEngine:
         partitions."""
         from deepspeed.utils import safe_set_full_optimizer_state
 
-        self._create_optimizer_state()
         for group, saved in zip(self.inner.param_groups, sd["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
+        if not sd["state"]:  # saved before the first step (e.g. Adv-GRPO's discriminator-only iterations)
+            return
+        self._create_optimizer_state()
         steps = None
         for i, p in enumerate(self.params):
             entry = sd["state"].get(i) or sd["state"].get(str(i))
@@ -248,7 +251,14 @@ class ZeroEngine:
         lrs = [group["lr"] for group in self.inner.param_groups]
         for group in self.inner.param_groups:
             group["lr"] = 0.0
-        self.engine.backward(torch.stack([(p * 0).sum() for p in self.params]).sum())
+        import contextlib
+
+        import deepspeed
+
+        # ZeRO-3: the weights are read outside a forward, so gathered for it
+        whole = deepspeed.zero.GatheredParameters(self.params) if self.stage == 3 else contextlib.nullcontext()
+        with whole:
+            self.engine.backward(torch.stack([(p * 0).sum() for p in self.params]).sum())
         self.engine.step()
         for group, lr in zip(self.inner.param_groups, lrs):
             group["lr"] = lr

@@ -1,4 +1,4 @@
-"""The optimizer step of a ZeRO-2 run (a DeepSpeed engine on CPU with gloo, one process) against plain AdamW:
+"""The optimizer step of a ZeRO-2 / ZeRO-3 run (a DeepSpeed engine on CPU with gloo, one process) against AdamW:
 the same weights and moments to float32 rounding, a NaN gradient skipped and counted, and a plain run's AdamW
 state resumed into the engine. Runs tests/scaling/zero_step_script.py in its own process: DeepSpeed's engine
 sets up process-wide state."""
@@ -12,13 +12,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run() -> dict:
+def _run(stage: int) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(
-        [sys.executable, str(ROOT / "tests/scaling/zero_step_script.py")],
+        [sys.executable, str(ROOT / "tests/scaling/zero_step_script.py"), str(stage)],
         env=env, capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -31,8 +33,9 @@ def _max_diff(a, b) -> float:
     return abs(a - b)
 
 
-def test_zero2_step_is_adamw_skips_nan_and_resumes_a_plain_state():
-    out = _run()
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_step_is_adamw_skips_nan_and_resumes_a_plain_state(stage):
+    out = _run(stage)
     plain, zero = out["plain"], out["zero"]
     # the NaN micro-batch of step 1: skipped by both, counted by the guard; two steps taken
     assert plain["skipped"] == zero["skipped"] == 1 and plain["total"] == zero["total"] == 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import sys
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -24,14 +25,13 @@ def model() -> torch.nn.Module:
     return m
 
 
-def losses(m: torch.nn.Module, step: int) -> list[torch.Tensor]:
-    """Three micro-batches (an update may take any number); step 1's hold a NaN."""
-    out = []
+def losses(m: torch.nn.Module, step: int) -> Iterator[torch.Tensor]:
+    """Three micro-batches (an update may take any number), each forward run just before its backward as in the
+    trainers (ZeRO-3 accumulates a micro-batch's gradients at the next forward); step 1's hold a NaN."""
     for k in range(3):
         x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + k))
         loss = m(x).pow(2).mean()
-        out.append(loss * float("nan") if step == 1 and k == 1 else loss)
-    return out
+        yield loss * float("nan") if step == 1 and k == 1 else loss
 
 
 def build(
@@ -44,7 +44,7 @@ def build(
             for p, w in zip(params, weights):
                 p.copy_(w)
     opt = torch.optim.AdamW(params, lr=0.05, weight_decay=0.01)
-    d = Distributed(0, 1, zero=ZeroConfig(stage=2)) if zero else Distributed()
+    d = Distributed(0, 1, zero=ZeroConfig(stage=STAGE)) if zero else Distributed()
     guard = NonFiniteGuard(GuardConfig())
     return OptimizerStep(params, opt, 0.5, d, guard=guard, module=m), m, params, guard
 
@@ -93,6 +93,8 @@ def resumed() -> dict:
         "before": [w.flatten().tolist() for w in saved],
     }
 
+
+STAGE = int(sys.argv[1]) if len(sys.argv) > 1 else 2  # ZeRO-3 partitions the frozen first weight (48 > 24 + 1)
 
 if __name__ == "__main__":
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
