@@ -153,9 +153,7 @@ class RunLoop:
         if self.dist.sharded:
             path = self._write_sharded_checkpoint()
         else:
-            gather = getattr(self.optimizer_step.checkpointed, "gather", None)
-            if gather is not None:  # a ZeRO run: every rank gives its partitions of the AdamW moments first
-                gather()
+            self.optimizer_step.gather_state()  # a ZeRO run: every rank gives its partitions of the moments first
             path = self._write_checkpoint(self.checkpoint_parts()) if self.dist.is_main else None
         self.dist.barrier()
         return path

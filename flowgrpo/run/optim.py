@@ -101,6 +101,12 @@ class OptimizerStep:
                 raise ConfigError(f"accelerate DeepSpeed config: {err}") from None
             self.checkpointed = FullOptimizerState(self.zero)
 
+    def gather_state(self) -> None:
+        """Every rank, before rank 0 writes a checkpoint: a ZeRO engine's AdamW moments gathered from the
+        partitions (a collective)."""
+        if self.zero is not None:
+            self.checkpointed.gather()
+
     def weights_loaded(self) -> None:
         """The trained weights were written from outside the step (a resume): a ZeRO engine's fp32 master copy
         takes them."""

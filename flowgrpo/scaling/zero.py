@@ -93,13 +93,12 @@ class ZeroConfig:
                 "weights; the recipe's model.dtype sets the precision (set mixed_precision: 'no')"
             )
         clip = ds.get("gradient_clipping")
-        clipping = float(clip) if isinstance(clip, (int, float)) or _is_number(clip) else None
+        clipping = float(clip) if _is_number(clip) else None  # "auto" / None: not set
         file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None
         return cls(stage=stage, config_file=file, clipping=clipping, settings=dict(ds))
 
     def deepspeed_config(self, max_grad_norm: Optional[float], persist_above: int = 0) -> dict[str, Any]:
         """The DeepSpeed config of the engine (the user's JSON, if any, under flowgrpo's fixed settings)."""
-        base = self.settings
         if self.clipping is not None and self.clipping != (max_grad_norm or 0.0):
             raise ZeroError(
                 f"the DeepSpeed config clips gradients at {self.clipping}, the recipe's optim.max_grad_norm is "
@@ -107,13 +106,17 @@ class ZeroConfig:
             )
         # "auto" is accelerate's placeholder, filled in by its `prepare`, which flowgrpo does not call: DeepSpeed's
         # own default applies instead
-        zero = {k: v for k, v in base.get("zero_optimization", {}).items() if v != "auto"}
+        zero = {k: v for k, v in self.settings.get("zero_optimization", {}).items() if v != "auto"}
         zero["stage"] = self.stage
         if self.stage == 3:  # tensors up to this size stay whole on every rank: the trained (LoRA) ones
             zero["stage3_param_persistence_threshold"] = persist_above
             zero.setdefault("memory_efficient_linear", False)
         return {
-            **{k: v for k, v in base.items() if k not in ("bf16", "fp16", "optimizer", "scheduler") and v != "auto"},
+            **{
+                k: v
+                for k, v in self.settings.items()
+                if k not in ("bf16", "fp16", "optimizer", "scheduler") and v != "auto"
+            },
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
             "managed_gradient_accumulation": False,  # engine.step() is the boundary: any number of micro-batches
@@ -223,7 +226,7 @@ class ZeroEngine:
         self._create_optimizer_state()
         steps = None
         for i, p in enumerate(self.params):
-            entry = sd["state"].get(i) or sd["state"].get(str(i))
+            entry = sd["state"].get(i)
             if entry is None:
                 continue
             for k in MOMENTS:
