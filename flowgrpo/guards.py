@@ -84,13 +84,14 @@ class NonFiniteGuard:
 
     def weights(self, params: Iterable[torch.Tensor], index: int) -> None:
         """Raise when a weight is non-finite after a step (finite gradients can still overflow a weight)."""
-        for p in params:
-            if not bool(torch.isfinite(local_part(p).detach()).all()):  # a sharded weight: this rank's shard
-                raise NonFiniteError(
-                    f"{self.unit} {index}: a weight became NaN / inf after an optimizer step; "
-                    "stopped before saving it (the last checkpoint holds finite weights). Lower "
-                    "optim.lr or set optim.max_grad_norm"
-                )
+        # one multi-tensor max |w| over this rank's parts (a sharded weight: its shard; an empty shard has no max)
+        parts = [t for t in (local_part(p).detach() for p in params) if t.numel()]
+        if parts and not bool(torch.nn.utils.get_total_norm(parts, norm_type=math.inf).isfinite()):
+            raise NonFiniteError(
+                f"{self.unit} {index}: a weight became NaN / inf after an optimizer step; "
+                "stopped before saving it (the last checkpoint holds finite weights). Lower "
+                "optim.lr or set optim.max_grad_norm"
+            )
 
     def end_update(self, record: dict[str, Any], index: int, params: Iterable[torch.Tensor] = ()) -> None:
         """Check the weights; warn about this update's non-finite values; raise after `max_bad_updates` bad

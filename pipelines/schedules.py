@@ -15,7 +15,7 @@ diffusers scheduler decides, the default) or "time_shift" (a fixed shift over a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 import torch
@@ -56,6 +56,8 @@ class FlowSchedule:
     # [T] the flow time the denoiser sees when it is not sigmas[:-1] (FastVideo trainers round it down
     # to int(1000 * sigma) / 1000); the kernels always use the exact sigmas.
     model_sigmas: Optional[Tensor] = None
+    # A kernel's per-step coefficients, built once (flowgrpo's pipelines.steps fills it; never compared).
+    coefficients: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         s = self.sigmas
@@ -87,6 +89,7 @@ class DDIMSchedule:
     alpha_bar: Tensor  # [T] float32, alphas_cumprod at timesteps[i]
     alpha_bar_prev: Tensor  # [T] float32, alphas_cumprod at the target (final_alpha_cumprod past 0)
     prediction_type: str = "epsilon"
+    coefficients: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         t = self.timesteps.numel()

@@ -201,6 +201,21 @@ def _require(ok: bool, what: str) -> None:
         raise ValueError(what)
 
 
+def _coefficients(schedule, i, x: Tensor, key: tuple, compute) -> tuple:
+    """A kernel's coefficients for step i: `compute()` (0-dim tensors for an int i), kept on the schedule per
+    kernel, settings, step and device, so a rollout builds them once instead of at every call (at small batch
+    sizes the ~20 scalar operations cost more than the latent-sized ones). The same operations give the same
+    bits either way. A tensor i (edges of different steps) computes them each time."""
+    if isinstance(i, Tensor):
+        return compute()
+    cache = schedule.coefficients
+    found = cache.get((key, i, x.device))
+    if found is None:
+        with torch.inference_mode(False):  # built in an inference-mode rollout, used with grad in the update
+            found = cache[(key, i, x.device)] = compute()
+    return found
+
+
 # ---------------------------------------------------------------------------------------------- kernels
 # The kernels write into the latent-sized temporaries they create (`.sub_`, `.mul_`, ...) where the written
 # tensor is neither an input nor saved for backward: the same operations in the same order (so the same
@@ -210,33 +225,48 @@ def _require(ok: bool, what: str) -> None:
 @KERNELS.register("ode")
 def ode(x: Tensor, v: Tensor, schedule: FlowSchedule, i) -> Law:
     """Euler step of the probability-flow ODE: x_next = x - dt*v (diffusers' FlowMatchEuler step)."""
-    s, s_next = _sigmas(schedule, i, x, "ode")
-    return Law(x - (s - s_next) * v, torch.zeros((), device=x.device), x - s * v, "point")
+
+    def coefficients():
+        s, s_next = _sigmas(schedule, i, x, "ode")
+        return s, s - s_next, torch.zeros((), device=x.device)
+
+    s, dt, zero = _coefficients(schedule, i, x, ("ode",), coefficients)
+    return Law(x - dt * v, zero, x - s * v, "point")
 
 
 @KERNELS.register("flow_sde")
 def flow_sde(x: Tensor, v: Tensor, schedule: FlowSchedule, i, *, a: float = 0.7) -> Law:
     """Flow-GRPO SDE: g = a*sqrt(sigma/(1-sigma)), mean = reverse-SDE Euler-Maruyama, std = g*sqrt(dt)."""
     _require(a >= 0, f"a must be >= 0, got {a}")
-    s, s_next = _sigmas(schedule, i, x, "flow_sde")
-    dt = s - s_next
-    # At sigma = 1 the denominator uses sigmas[1] instead (Flow-GRPO's guard; numerator stays sigma).
-    s_den = torch.where(s >= 1, schedule.sigmas[1].to(s), s)
-    g2 = a**2 * s / (1 - s_den)
-    mean = (x * (1 - g2 / (2 * s) * dt)).sub_((v * (1 + g2 * (1 - s) / (2 * s))).mul_(dt))
-    return Law(mean, torch.sqrt(g2 * dt), x - s * v, "gaussian")
+
+    def coefficients():
+        s, s_next = _sigmas(schedule, i, x, "flow_sde")
+        dt = s - s_next
+        # At sigma = 1 the denominator uses sigmas[1] instead (Flow-GRPO's guard; numerator stays sigma).
+        s_den = torch.where(s >= 1, schedule.sigmas[1].to(s), s)
+        g2 = a**2 * s / (1 - s_den)
+        return s, dt, 1 - g2 / (2 * s) * dt, 1 + g2 * (1 - s) / (2 * s), torch.sqrt(g2 * dt)
+
+    s, dt, x_coef, v_coef, std = _coefficients(schedule, i, x, ("flow_sde", a), coefficients)
+    mean = (x * x_coef).sub_((v * v_coef).mul_(dt))
+    return Law(mean, std, x - s * v, "gaussian")
 
 
 @KERNELS.register("dance_sde")
 def dance_sde(x: Tensor, v: Tensor, schedule: FlowSchedule, i, *, eta: float = 0.3) -> Law:
     """DanceGRPO SDE: the same reverse-SDE drift with a constant diffusion g = eta; std = eta*sqrt(dt)."""
     _require(eta >= 0, f"eta must be >= 0, got {eta}")
-    s, s_next = _sigmas(schedule, i, x, "dance_sde")
-    dt = s - s_next
+
+    def coefficients():
+        s, s_next = _sigmas(schedule, i, x, "dance_sde")
+        dt = s - s_next
+        return s, 1 - s, s**2, dt, eta * torch.sqrt(dt)
+
+    s, one_minus_s, s_squared, dt, std = _coefficients(schedule, i, x, ("dance_sde", eta), coefficients)
     x0 = x - s * v
-    score = (x - (1 - s) * x0).neg_().div_(s**2)
+    score = (x - one_minus_s * x0).neg_().div_(s_squared)
     mean = (x - dt * v).add_((0.5 * eta**2 * score).mul_(dt))
-    return Law(mean, eta * torch.sqrt(dt), x0, "gaussian")
+    return Law(mean, std, x0, "gaussian")
 
 
 @KERNELS.register("cps")
@@ -248,10 +278,15 @@ def cps(x: Tensor, v: Tensor, schedule: FlowSchedule, i, *, a: float = 0.8) -> L
     so PPO clip ranges read at another scale (CPS configs use 1e-5). At the last step std is 0.
     """
     _require(0 <= a <= 1, f"a must be in [0, 1], got {a}")
-    s, s_next = _sigmas(schedule, i, x, "cps")
-    std = s_next * math.sin(a * math.pi / 2)
-    x0, x1 = x - s * v, x + (1 - s) * v
-    mean = (x0 * (1 - s_next)).add_(x1.mul_(torch.sqrt((s_next**2 - std**2).clamp(min=0))))
+
+    def coefficients():
+        s, s_next = _sigmas(schedule, i, x, "cps")
+        std = s_next * math.sin(a * math.pi / 2)
+        return s, 1 - s, 1 - s_next, torch.sqrt((s_next**2 - std**2).clamp(min=0)), std
+
+    s, one_minus_s, x0_coef, x1_coef, std = _coefficients(schedule, i, x, ("cps", a), coefficients)
+    x0, x1 = x - s * v, x + one_minus_s * v
+    mean = (x0 * x0_coef).add_(x1.mul_(x1_coef))
     return Law(mean, std, x0, "cps")
 
 
@@ -299,13 +334,17 @@ def ddim(x: Tensor, model_output: Tensor, schedule: DDIMSchedule, i, *, eta: flo
     _require(0 <= eta <= 1, f"eta must be in [0, 1], got {eta}")
     if not isinstance(schedule, DDIMSchedule):
         raise ValueError(f"schedule: kernel 'ddim' needs a DDIMSchedule, got {type(schedule).__name__}")
-    ab, ab_prev = _at(schedule.alpha_bar, i, x), _at(schedule.alpha_bar_prev, i, x)
+    def coefficients():
+        ab, ab_prev = _at(schedule.alpha_bar, i, x), _at(schedule.alpha_bar_prev, i, x)
+        std = eta * ((1 - ab_prev) / (1 - ab) * (1 - ab / ab_prev)).sqrt()
+        return ab.sqrt(), (1 - ab).sqrt(), ab_prev.sqrt(), (1 - ab_prev - std**2).sqrt(), std
+
+    root_ab, root_rest, root_ab_prev, eps_coef, std = _coefficients(schedule, i, x, ("ddim", eta), coefficients)
     if schedule.prediction_type == "epsilon":
         eps = model_output
-        x0 = (x - (1 - ab).sqrt() * eps).div_(ab.sqrt())
+        x0 = (x - root_rest * eps).div_(root_ab)
     else:  # v_prediction
-        x0 = ab.sqrt() * x - (1 - ab).sqrt() * model_output
-        eps = ab.sqrt() * model_output + (1 - ab).sqrt() * x
-    std = eta * ((1 - ab_prev) / (1 - ab) * (1 - ab / ab_prev)).sqrt()
-    mean = (ab_prev.sqrt() * x0).add_((1 - ab_prev - std**2).sqrt() * eps)
+        x0 = root_ab * x - root_rest * model_output
+        eps = root_ab * model_output + root_rest * x
+    mean = (root_ab_prev * x0).add_(eps_coef * eps)
     return Law(mean, std, x0, "gaussian")

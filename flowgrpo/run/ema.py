@@ -31,7 +31,8 @@ class ScheduledEMA:
         self.clock = 0
         # "flow_grpo" sets the decay per update; update_after_step -1 keeps EMAModel off its "first update copies"
         after = 0 if cfg.schedule == "constant" else -1
-        self.model = EMAModel(params, decay=cfg.decay, min_decay=cfg.decay, update_after_step=after)
+        # foreach: one multi-tensor update instead of a Python loop over the weights
+        self.model = EMAModel(params, decay=cfg.decay, min_decay=cfg.decay, update_after_step=after, foreach=True)
 
     def _call(self, params: list[torch.nn.Parameter]) -> None:
         decay = flow_grpo_decay(self.cfg, self.clock)

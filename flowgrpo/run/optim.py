@@ -47,16 +47,16 @@ class ScheduledOptimizer:
 
 
 def build_optimizer(
-    params: list[torch.nn.Parameter], cfg: OptimConfig, total_steps: int, *, fused: bool
+    params: list[torch.nn.Parameter], cfg: OptimConfig, total_steps: int
 ) -> ScheduledOptimizer:
     """AdamW over `params` and its schedule (stepped once per training step; its state is plain numbers).
 
-    `fused`: torch's one-pass kernel where it has one (about 2x faster on CPU for many small tensors; TRL and
-    transformers use it by default). The image trainer keeps the multi-tensor kernel its runs were measured with.
+    Fused (torch's one-pass kernel) where torch has one: about 2x faster on CPU for many small tensors than the
+    multi-tensor kernel (0.14 vs 0.49 ms a step for 30 LoRA tensors); TRL and transformers use it by default.
     """
     if not params:
         raise ValueError("the model has no trainable parameters")
-    fused = fused and all(
+    fused = all(
         p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.float16, torch.bfloat16) for p in params
     )
     optimizer = torch.optim.AdamW(
