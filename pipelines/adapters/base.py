@@ -141,11 +141,11 @@ class Adapter(abc.ABC):
 
     @property
     def device(self) -> torch.device:
-        return next(self.denoiser.parameters()).device
+        return _first_parameter(self.denoiser).device
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.denoiser.parameters()).dtype
+        return _first_parameter(self.denoiser).dtype
 
     @property
     def vae_scale_factor(self) -> int:
@@ -498,3 +498,15 @@ def _pad(t: Tensor, n: int) -> Tensor:
 def _stack(rows: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     n = max(r["embeds"].shape[1] for r in rows)
     return {k: torch.cat([r[k] if k == "pooled" else _pad(r[k], n) for r in rows]) for k in rows[0]}
+
+
+def _first_parameter(module: torch.nn.Module) -> Tensor:
+    """`next(module.parameters())` without its generators (~1 us instead of ~30 us: read at every forward)."""
+    todo = [module]
+    while todo:
+        m = todo.pop(0)
+        for p in m._parameters.values():
+            if p is not None:
+                return p
+        todo[:0] = [c for c in m._modules.values() if c is not None]
+    raise ValueError(f"{type(module).__name__} has no parameters")

@@ -1,5 +1,6 @@
-"""Timing hooks: every denoiser forward, VAE decode and backward of one adapter, and every forward of the reward
-models (a reward scorer's torch modules: Adv-GRPO's DINOv2 discriminator, CLIP-type scorers), timed and counted."""
+"""Timing hooks: every denoiser forward, VAE decode and backward of one adapter, every forward of its text encoders
+(prompts not seen before), and every forward of the reward models (a reward scorer's torch modules: Adv-GRPO's
+DINOv2 discriminator, CLIP-type scorers), timed and counted."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ class ModelCallProbe:
     Denoiser: a forward pre-hook / post-hook pair on adapter.denoiser (rows = the batch of its first
     tensor input; grad or not from torch.is_grad_enabled()). VAE: adapter.vae.decode wrapped on the
     instance (it runs on the reward worker threads). Backward: torch.Tensor.backward wrapped while
-    installed (every .backward() of the process: the policy's and, in Adv-GRPO, the discriminator's).
+    installed (every .backward() of the process: the policy's and, in Adv-GRPO, the discriminator's). Text
+    encoders and reward models: forward hook pairs on their modules, any thread.
     """
 
     def __init__(self, adapter, reward_scorers: tuple = ()):
@@ -75,26 +77,30 @@ class ModelCallProbe:
         torch.Tensor.backward = timed_backward
         self._undo.append(lambda: setattr(torch.Tensor, "backward", backward))
 
-        # reward models run on the reward worker threads (and Adv-GRPO's discriminator in the update): a stack
-        # of open calls per thread
+        # text encoders (new prompts, main thread) and reward models (the reward worker threads, and Adv-GRPO's
+        # discriminator in the update): a stack of open calls per thread and kind
         local = threading.local()
 
-        def reward_pre(module, args, kwargs):
-            stack = local.__dict__.setdefault("open", [])
-            stack.append((time.perf_counter(), _rows(args, kwargs)))
+        def hook(module, kind: str) -> None:
+            def pre(module, args, kwargs):
+                local.__dict__.setdefault(kind, []).append((time.perf_counter(), _rows(args, kwargs)))
 
-        def reward_post(module, args, output):
-            stack = local.__dict__.get("open")
-            if stack:
-                t0, rows = stack.pop()
-                self._add("reward_model", t0, rows)
+            def post(module, args, output):
+                stack = local.__dict__.get(kind)
+                if stack:
+                    t0, rows = stack.pop()
+                    self._add(kind, t0, rows)
 
-        for module in {id(m): m for s in self.reward_scorers for m in reward_modules(s)}.values():
-            hooks = [
-                module.register_forward_pre_hook(reward_pre, with_kwargs=True),
-                module.register_forward_hook(reward_post, always_call=True),
+            handles = [
+                module.register_forward_pre_hook(pre, with_kwargs=True),
+                module.register_forward_hook(post, always_call=True),
             ]
-            self._undo.append(lambda hooks=hooks: [h.remove() for h in hooks])
+            self._undo.append(lambda: [h.remove() for h in handles])
+
+        for module in text_encoders(self.adapter):
+            hook(module, "text_encoder")
+        for module in {id(m): m for s in self.reward_scorers for m in reward_modules(s)}.values():
+            hook(module, "reward_model")
         return self
 
     def remove(self) -> None:
@@ -110,7 +116,7 @@ class ModelCallProbe:
         with self._lock:
             calls = self.calls[mark:]
         out: dict[str, float] = {}
-        for kind in ("fwd_nograd", "fwd_grad", "backward", "decode", "reward_model"):
+        for kind in ("fwd_nograd", "fwd_grad", "backward", "decode", "text_encoder", "reward_model"):
             mine = [c for c in calls if c[0] == kind]
             out[f"{kind}_s"] = sum(c[2] - c[1] for c in mine)
             out[f"{kind}_calls"] = len(mine)
@@ -131,6 +137,17 @@ def _union(intervals: list, lo: float, hi: float) -> float:
         total += b - max(a, end)
         end = b
     return total
+
+
+def text_encoders(adapter) -> list:
+    """The pipeline's torch modules other than the denoiser and the VAE: its text encoders (a new prompt's
+    embedding is a model call; an adapter without a pipeline has none)."""
+    import torch
+
+    pipe = getattr(adapter, "pipe", None)
+    skip = (id(adapter.denoiser), id(adapter.vae))
+    components = getattr(pipe, "components", {}) if pipe is not None else {}
+    return [m for m in components.values() if isinstance(m, torch.nn.Module) and id(m) not in skip]
 
 
 def reward_modules(scorer, depth: int = 2) -> list:

@@ -159,3 +159,30 @@ def test_reward_model_forwards_count_as_model_calls():
     mark = len(probe.calls)
     scorer(images, ["a", "b"], {})
     assert len(probe.calls) == mark  # unhooked
+
+
+def test_text_encoder_forwards_count_as_model_calls():
+    """A prompt not seen before runs the pipeline's text encoders: every one of them is timed as a model call; a
+    cached prompt runs none; the denoiser and the VAE are not taken for text encoders."""
+    import sys
+
+    from pipelines.adapters import build_adapter
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_t2i.probes import ModelCallProbe, text_encoders
+
+    adapter = build_adapter("sd3", tiny=True)
+    encoders = text_encoders(adapter)
+    assert len(encoders) == 3 and adapter.denoiser not in encoders and adapter.vae not in encoders
+    probe = ModelCallProbe(adapter).install()
+    try:
+        adapter.encode_prompts(["a red apple"])
+        first = probe.summary(0, 0.0, float("inf"))
+        mark = len(probe.calls)
+        adapter.encode_prompts(["a red apple"])
+        again = probe.summary(mark, 0.0, float("inf"))
+    finally:
+        probe.remove()
+    assert first["text_encoder_calls"] >= 3 and first["text_encoder_s"] > 0
+    assert first["union_all_s"] == pytest.approx(first["text_encoder_s"])  # one encoder after the other
+    assert again["text_encoder_calls"] == 0
