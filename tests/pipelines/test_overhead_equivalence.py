@@ -119,3 +119,32 @@ def test_gaussian_logprob_in_place_is_the_same_expression(std_kind):
         assert torch.equal(ga, gb)
     with torch.no_grad():
         assert torch.equal(gaussian_logprob(x, m0, std), _logprob_ref(x, m0, std))
+
+
+@pytest.mark.parametrize(
+    "kernel,settings",
+    [("ode", {}), ("flow_sde", {"a": 0.7}), ("dance_sde", {"eta": 0.3}), ("cps", {"a": 0.8}), ("ddim", {"eta": 1.0})],
+)
+def test_kernel_coefficients_built_once_give_the_same_bits(kernel, settings):
+    """A kernel's per-step coefficients are kept on the schedule: a fresh schedule (coefficients computed), the
+    same schedule again (read back) and another step's cached entry never mix; built inside an inference-mode
+    rollout, they still serve a re-scoring with grad (the update)."""
+    from pipelines.schedules import ddim_schedule, flow_schedule
+    from pipelines.steps import rescore, step
+
+    make = (lambda: ddim_schedule(6)) if kernel == "ddim" else (lambda: flow_schedule(6, shift=3.0))
+    g = torch.Generator().manual_seed(0)
+    x, v, noise = (torch.randn(3, 4, 6, 6, generator=g) for _ in range(3))
+    cached = make()
+    with torch.inference_mode():
+        step(kernel, x, v, cached, 2, noise, **settings)  # fills the cache inside inference mode
+    assert cached.coefficients and not make().coefficients
+    for i in range(6):
+        fresh = step(kernel, x, v, make(), i, noise, **settings)
+        again = step(kernel, x, v, cached, i, noise, **settings)
+        for name in ("x_next", "mean", "std", "logp", "x0_hat"):
+            assert torch.equal(getattr(fresh, name), getattr(again, name)), (i, name)
+    v_grad = v.clone().requires_grad_(True)
+    out = rescore(kernel, x, fresh.x_next, v_grad, cached, 2, **settings)
+    (out.mean.sum() + out.logp.sum()).backward()
+    assert v_grad.grad is not None and bool(torch.isfinite(v_grad.grad).all())
