@@ -207,14 +207,15 @@ class Sampler:
             return self.config.sde_kernel.name, self.config.sde_kernel.settings
         return solver if solver == "dpm2m" else "ode", {}
 
-    def _time(self, adapter, schedule, steps: Tensor) -> Tensor:
-        """What the adapter takes as time: sigma (flow matching) or the integer timestep (DDIM)."""
+    def _time(self, adapter, schedule, steps: int | Tensor) -> Tensor:
+        """What the adapter takes as time: sigma (flow matching) or the integer timestep (DDIM). An int step (every
+        row of a rollout batch at the same step) gives one value, which the adapter expands over the rows."""
         if adapter.prediction == "epsilon":
             return schedule.timesteps[steps]
         return schedule.sigmas[steps] if schedule.model_sigmas is None else schedule.model_sigmas[steps]
 
     def _forward(
-        self, adapter, x: Tensor, steps: Tensor, schedule, embeds, prompt: Tensor, cfg_mode: str, grad: bool
+        self, adapter, x: Tensor, steps: int | Tensor, schedule, embeds, prompt: Tensor, cfg_mode: str, grad: bool
     ) -> Tensor:
         rows = x.shape[0] * (1 if cfg_mode == "none" else 2)
         if grad:
@@ -298,8 +299,7 @@ class Sampler:
         probe_ids, probe_latents = [], []
         state, last_x0 = None, None
         for i, sp in enumerate(plan.steps):
-            steps_i = torch.full((x.shape[0],), i, dtype=torch.long)
-            v = self._forward(adapter, x, steps_i, schedule, embeds, frontier_prompt, cfg.cfg_mode, grad=False)
+            v = self._forward(adapter, x, i, schedule, embeds, frontier_prompt, cfg.cfg_mode, grad=False)
             if i in plan.probe_depths:
                 probe_ids.append(frontier)
                 probe_latents.append(self._probe(adapter, x, v, i, schedule, embeds, frontier_prompt, plan))
@@ -368,7 +368,7 @@ class Sampler:
             v = self._forward(
                 adapter,
                 x,
-                torch.full((x.shape[0],), i, dtype=torch.long),
+                i,
                 schedule,
                 embeds,
                 prompt,
