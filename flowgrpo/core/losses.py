@@ -454,8 +454,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 @torch.no_grad()
-def ratio_metrics(ctx: LossContext) -> dict[str, float]:
-    """Clip fractions (low side with A < 0, high side with A > 0), ratio range and approximate KL to old."""
+def ratio_metrics(ctx: LossContext) -> dict[str, Tensor]:
+    """Clip fractions (low side with A < 0, high side with A > 0), ratio range and approximate KL to old, as
+    0-dim tensors (policy_loss reads every metric in one transfer); none when no action is unmasked."""
     m = ctx.inputs.mask
     if not bool(m.any()):
         return {}
@@ -467,11 +468,12 @@ def ratio_metrics(ctx: LossContext) -> dict[str, float]:
     clip_high = (a > 0) & (r > high)
     lr = ctx.raw_log_ratio.detach()
     return {
-        "clip/low_frac": float(mean_over_mask(clip_low.float(), m)),
-        "clip/high_frac": float(mean_over_mask(clip_high.float(), m)),
-        "clip/frac": float(mean_over_mask((clip_low | clip_high).float(), m)),
-        "ratio/min": float(r[m].min()),
-        "ratio/mean": float(r[m].mean()),
-        "ratio/max": float(r[m].max()),
-        "approx_kl": float(mean_over_mask(0.5 * lr**2, m)),
+        "clip/low_frac": mean_over_mask(clip_low.float(), m),
+        "clip/high_frac": mean_over_mask(clip_high.float(), m),
+        "clip/frac": mean_over_mask((clip_low | clip_high).float(), m),
+        # masked reductions without boolean indexing (no data-dependent shape: no device sync on a GPU)
+        "ratio/min": torch.where(m, r, torch.full_like(r, math.inf)).min(),
+        "ratio/mean": mean_over_mask(r, m),
+        "ratio/max": torch.where(m, r, torch.full_like(r, -math.inf)).max(),
+        "approx_kl": mean_over_mask(0.5 * lr**2, m),
     }

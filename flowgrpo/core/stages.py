@@ -94,17 +94,20 @@ def policy_loss(
         out: Tensor = parts["aggregation"].fn(values, ctx, **config.aggregation.settings)
         return out
 
-    metrics = {"loss/policy": float(aggregate(per_action.detach()))}
+    # metrics as 0-dim tensors, read in one transfer at the end (one device sync per call, not one per metric)
+    values = {"loss/policy": aggregate(per_action.detach())}
     m = inputs.mask
     if kl_entry is not None:
         kl = kl_entry.fn(ctx)
         per_action = per_action + config.kl.coef * kl
-        metrics["kl/ref_mean"] = float(mean_over_mask(kl.detach(), m))
+        values["kl/ref_mean"] = mean_over_mask(kl.detach(), m)
     if config.entropy_coef:
         entropy = given(inputs.entropy, "LossInputs.entropy")
         per_action = per_action - config.entropy_coef * entropy
-        metrics["entropy/mean"] = float(mean_over_mask(entropy.detach(), m))
+        values["entropy/mean"] = mean_over_mask(entropy.detach(), m)
     loss = aggregate(per_action)
-    metrics.update(ratio_metrics(ctx))
-    metrics["loss/total"] = float(loss.detach())
+    values.update(ratio_metrics(ctx))
+    values["loss/total"] = loss.detach()
+    numbers = torch.stack([v.reshape(()).float() for v in values.values()]).tolist()
+    metrics = dict(zip(values, numbers))
     return LossOutput(loss, torch.where(m, per_action, torch.zeros_like(per_action)), metrics)
