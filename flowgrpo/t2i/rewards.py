@@ -1,4 +1,6 @@
-"""The reward stage: decode latents and score them on worker threads, so scoring overlaps the next rollout.
+"""The reward stage: decode latents and score them on worker threads, so scoring overlaps the next rollout (an
+iteration's last batch is scored in the calling thread: nothing is left to overlap it with, and a thread handoff
+there only adds latency: measured 0.4-0.6 points of the tiny recipes' time outside model calls).
 
 Pointwise scorers give one value per image. A pairwise scorer judges every pair of a prompt's group
 (the final images only): its value for an image is its win rate (wins + half the ties and unreadable
@@ -54,9 +56,19 @@ class RewardStage:
         group_size: int,
         num_leaves: int,
         keep_images: bool = False,
+        inline: bool = False,
     ) -> Future:
-        """Score `latents` (the first `num_leaves` are the final images, [P * G] in group order)."""
-        return self.pool.submit(self._run, decode, latents, prompts, metadata, group_size, num_leaves, keep_images)
+        """Score `latents` (the first `num_leaves` are the final images, [P * G] in group order) on a worker
+        thread; `inline`: in this thread, now (a caller that would only wait for the result: no thread handoff)."""
+        args = (decode, latents, prompts, metadata, group_size, num_leaves, keep_images)
+        if not inline:
+            return self.pool.submit(self._run, *args)
+        done: Future = Future()
+        try:
+            done.set_result(self._run(*args))
+        except Exception as error:  # raised where a worker's error would be: at .result()
+            done.set_exception(error)
+        return done
 
     def _run(self, decode, latents, prompts, metadata, group_size, num_leaves, keep_images) -> Scored:
         t0 = time.perf_counter()

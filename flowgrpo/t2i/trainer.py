@@ -167,6 +167,7 @@ class T2ITrainer(RunLoop):
                     G,
                     len(prompts) * L,
                     keep_images,
+                    inline=c == mine[-1],  # nothing left to overlap it with: the caller would only wait
                 )
             )
             trees.append(tree)
