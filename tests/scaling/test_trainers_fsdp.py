@@ -11,6 +11,9 @@ what shows that a checkpoint resumed on another world size holds exactly the wei
 
 from __future__ import annotations
 
+import atexit
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -69,9 +72,26 @@ def launch(launch_ranks, monkeypatch):
     return run
 
 
+# Finished one-process runs (no FSDP2, no DeepSpeed) by their settings: the FSDP2 and ZeRO tests compare against
+# the same reference runs, so each runs once per session and later callers get a copy of its folder.
+_PLAIN_RUNS: dict[tuple[str, ...], Path] = {}
+_PLAIN_CACHE = Path(tempfile.mkdtemp(prefix="flowgrpo-plain-runs-"))
+atexit.register(shutil.rmtree, _PLAIN_CACHE, True)
+
+
 def _image(launch, out: Path, world: int, *extra: str, sharded: bool = True, recipe: str = "flow_grpo") -> Path:
+    """Run scripts/train_t2i.py on `recipe` with IMAGE + `extra` in `world` processes (`sharded`: the caller's
+    engine; False: plain processes) into `out`. A plain one-process run into a new folder (a result of its
+    settings alone: no resume, nothing there before) is taken from the session's earlier identical run."""
     args = [str(ROOT / f"configs/t2i/tiny/{recipe}.yaml"), f"output_dir={out}", *IMAGE, *extra]
+    key = (recipe, *IMAGE, *extra)
+    reusable = world == 1 and sharded is False and not out.exists() and "resume=true" not in extra
+    if reusable and key in _PLAIN_RUNS:
+        shutil.copytree(_PLAIN_RUNS[key], out)
+        return out
     launch("train_t2i.py", args, world, sharded)
+    if reusable:  # a copy: the caller may write into its folder later (a resumed run)
+        _PLAIN_RUNS[key] = shutil.copytree(out, _PLAIN_CACHE / str(len(_PLAIN_RUNS)))
     return out
 
 
