@@ -334,6 +334,7 @@ def ddim(x: Tensor, model_output: Tensor, schedule: DDIMSchedule, i, *, eta: flo
     _require(0 <= eta <= 1, f"eta must be in [0, 1], got {eta}")
     if not isinstance(schedule, DDIMSchedule):
         raise ValueError(f"schedule: kernel 'ddim' needs a DDIMSchedule, got {type(schedule).__name__}")
+
     def coefficients():
         ab, ab_prev = _at(schedule.alpha_bar, i, x), _at(schedule.alpha_bar_prev, i, x)
         std = eta * ((1 - ab_prev) / (1 - ab) * (1 - ab / ab_prev)).sqrt()

@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from ..checkpoint import is_shard
 from .config import EMAConfig
 
 
@@ -31,8 +32,10 @@ class ScheduledEMA:
         self.clock = 0
         # "flow_grpo" sets the decay per update; update_after_step -1 keeps EMAModel off its "first update copies"
         after = 0 if cfg.schedule == "constant" else -1
-        # foreach: one multi-tensor update instead of a Python loop over the weights
-        self.model = EMAModel(params, decay=cfg.decay, min_decay=cfg.decay, update_after_step=after, foreach=True)
+        # foreach: one multi-tensor update instead of a Python loop over the weights; not for FSDP2's DTensor shards
+        # (torch has no sharding rule for the _foreach_copy_ that copy_to / store / restore use)
+        foreach = not any(is_shard(p) for p in params)
+        self.model = EMAModel(params, decay=cfg.decay, min_decay=cfg.decay, update_after_step=after, foreach=foreach)
 
     def _call(self, params: list[torch.nn.Parameter]) -> None:
         decay = flow_grpo_decay(self.cfg, self.clock)

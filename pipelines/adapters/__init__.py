@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .base import CFG_MODES, LORA_INITS, Adapter, PromptEmbeds
+from .base import CFG_MODES, LORA_INITS, Adapter
+from .embeds import PromptEmbeds
 from .flux import FluxAdapter
 from .qwenimage import QwenImageAdapter
 from .sd3 import SD3Adapter

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import dataclasses
 import importlib
 import json
 import os
@@ -25,69 +24,11 @@ from torch import Tensor
 
 from flowgrpo.atomic_io import own_storage
 
+from .embeds import PromptEmbeds, stack_rows
+
 CFG_MODES = ("full", "detach_uncond", "none")
 LORA_INITS = ("gaussian", "default")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-@dataclasses.dataclass
-class PromptEmbeds:
-    """Text conditioning for a batch: row b of every tensor belongs to sample b.
-
-    `cond` / `uncond` are token embeddings of the prompt / negative prompt; `pooled` / `uncond_pooled`
-    the pooled vectors (SD3, FLUX); `mask` / `uncond_mask` token masks (families that need them).
-    """
-
-    cond: Tensor
-    uncond: Tensor | None = None
-    pooled: Tensor | None = None
-    uncond_pooled: Tensor | None = None
-    mask: Tensor | None = None
-    uncond_mask: Tensor | None = None
-
-    def __len__(self) -> int:
-        return self.cond.shape[0]
-
-    def _map(self, fn) -> "PromptEmbeds":
-        values = {name: getattr(self, name) for name in _EMBED_FIELDS}
-        return PromptEmbeds(**{k: None if t is None else fn(t) for k, t in values.items()})
-
-    def index(self, idx: Any) -> "PromptEmbeds":
-        """Rows `idx` (int list, slice, bool or long tensor) of every tensor; an int keeps the batch dim."""
-        if isinstance(idx, int):
-            idx = [idx]
-        if isinstance(idx, Tensor):
-            idx = idx.to(self.cond.device)
-        return self._map(lambda t: t[idx])
-
-    def to(self, device: Any = None, dtype: torch.dtype | None = None) -> "PromptEmbeds":
-        """Move every tensor; `dtype` applies to floating tensors only (masks keep theirs)."""
-        return self._map(lambda t: t.to(device=device, dtype=dtype if t.is_floating_point() else None))
-
-    def conditional(self) -> dict[str, Tensor | None]:
-        return {"embeds": self.cond, "pooled": self.pooled, "mask": self.mask}
-
-    def unconditional(self) -> dict[str, Tensor | None]:
-        if self.uncond is None:
-            raise ValueError("these PromptEmbeds have no uncond branch; encode them with a negative prompt")
-        return {"embeds": self.uncond, "pooled": self.uncond_pooled, "mask": self.uncond_mask}
-
-    def cfg_pair(self) -> dict[str, Tensor | None]:
-        """[uncond; cond] stacked on the batch dim, the order diffusers' pipelines use."""
-        if self.uncond is None:
-            raise ValueError("these PromptEmbeds have no uncond branch; encode them with a negative prompt")
-
-        # Families with token masks may have cond and uncond of different lengths: pad to the longer.
-        n = max(self.cond.shape[1], self.uncond.shape[1])
-        pad = (lambda t: _pad(t, n)) if self.mask is not None else (lambda t: t)
-        return {
-            "embeds": torch.cat([pad(self.uncond), pad(self.cond)]),
-            "pooled": None if self.pooled is None else torch.cat([self.uncond_pooled, self.pooled]),
-            "mask": None if self.mask is None else torch.cat([pad(self.uncond_mask), pad(self.mask)]),
-        }
-
-
-_EMBED_FIELDS = tuple(f.name for f in dataclasses.fields(PromptEmbeds))
 
 
 class Adapter(abc.ABC):
@@ -209,14 +150,14 @@ class Adapter(abc.ABC):
             chunk = missing[start : start + self.encode_batch_size]
             rows = self._encode(chunk)
             for i, p in enumerate(chunk):
-                # with a token mask, keep a row's real tokens only; `_stack` pads per batch
+                # with a token mask, keep a row's real tokens only; `stack_rows` pads per batch
                 n = int(rows["mask"][i].sum()) if "mask" in rows else None
                 self._cache[p] = {k: v[i : i + 1] if n is None or k == "pooled" else v[i : i + 1, :n]
                                   for k, v in rows.items()}  # fmt: skip
         for p in wanted:
             self._cache.move_to_end(p)
-        cond = _stack([self._cache[p] for p in prompts])
-        uncond = _stack([self._cache[negative_prompt]] * len(prompts))
+        cond = stack_rows([self._cache[p] for p in prompts])
+        uncond = stack_rows([self._cache[negative_prompt]] * len(prompts))
         while len(self._cache) > max(self.prompt_cache_size, len(wanted)):
             self._cache.popitem(last=False)
             self._stacked.clear()
@@ -488,16 +429,6 @@ def _dtype_kwarg() -> str:
     import diffusers.utils.deprecation_utils as dep
 
     return "dtype" if hasattr(dep, "_TORCH_DTYPE_DEPRECATION_MESSAGE") else "torch_dtype"
-
-
-def _pad(t: Tensor, n: int) -> Tensor:
-    """Zero-pad dim 1 (tokens) to length n: padded tokens have mask 0."""
-    return t if t.shape[1] == n else torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, n - t.shape[1]))
-
-
-def _stack(rows: list[dict[str, Tensor]]) -> dict[str, Tensor]:
-    n = max(r["embeds"].shape[1] for r in rows)
-    return {k: torch.cat([r[k] if k == "pooled" else _pad(r[k], n) for r in rows]) for k in rows[0]}
 
 
 def _first_parameter(module: torch.nn.Module) -> Tensor:
