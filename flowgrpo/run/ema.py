@@ -6,7 +6,6 @@ from typing import Optional
 
 import torch
 
-from ..checkpoint import is_shard
 from .config import EMAConfig
 
 
@@ -32,10 +31,9 @@ class ScheduledEMA:
         self.clock = 0
         # "flow_grpo" sets the decay per update; update_after_step -1 keeps EMAModel off its "first update copies"
         after = 0 if cfg.schedule == "constant" else -1
-        # foreach: one multi-tensor update instead of a Python loop over the weights; not for FSDP2's DTensor shards
-        # (torch has no sharding rule for the _foreach_copy_ that copy_to / store / restore use)
-        foreach = not any(is_shard(p) for p in params)
-        self.model = EMAModel(params, decay=cfg.decay, min_decay=cfg.decay, update_after_step=after, foreach=foreach)
+        # not foreach: torch has no DTensor sharding rule for the _foreach_copy_ it uses, and its fused update rounds
+        # differently from the per-tensor one, which would make an FSDP2 run's EMA differ from the plain run's
+        self.model = EMAModel(params, decay=cfg.decay, min_decay=cfg.decay, update_after_step=after)
 
     def _call(self, params: list[torch.nn.Parameter]) -> None:
         decay = flow_grpo_decay(self.cfg, self.clock)
