@@ -44,7 +44,7 @@ def test_first_pass_check_records_and_warns_past_the_tolerance():
 
 def test_optimizer_step_clips_counts_and_zeroes():
     p = torch.nn.Parameter(torch.zeros(3))
-    built = build_optimizer([p], OptimConfig(lr=0.1, max_grad_norm=1.0), 10)
+    built = build_optimizer([p], OptimConfig(lr=0.1, max_grad_norm=1.0), 10, fused=False)
     optimizer, scheduler = built.optimizer, built.scheduler
     step = OptimizerStep([p], optimizer, 1.0, Distributed())
     step.begin()
@@ -61,7 +61,7 @@ def test_optimizer_step_clips_counts_and_zeroes():
 
 def test_optimizer_step_with_a_guard_never_steps_on_a_nan_gradient():
     p = torch.nn.Parameter(torch.ones(3))
-    optimizer = build_optimizer([p], OptimConfig(lr=0.1), 10).optimizer
+    optimizer = build_optimizer([p], OptimConfig(lr=0.1), 10, fused=False).optimizer
     guard = NonFiniteGuard(GuardConfig(max_bad_updates=5), "step")
     step = OptimizerStep([p], optimizer, 1.0, Distributed(), guard=guard)
     step.begin()

@@ -46,15 +46,19 @@ class ScheduledOptimizer:
     scheduler: torch.optim.lr_scheduler.LambdaLR  # stepped once per training step
 
 
-def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig, total_steps: int) -> ScheduledOptimizer:
+def build_optimizer(
+    params: list[torch.nn.Parameter], cfg: OptimConfig, total_steps: int, *, fused: bool
+) -> ScheduledOptimizer:
     """AdamW over `params` and its schedule (stepped once per training step; its state is plain numbers).
 
-    Fused (torch's one-pass kernel) where torch has one: about 2x faster on CPU for many small tensors than the
-    multi-tensor kernel (0.14 vs 0.49 ms a step for 30 LoRA tensors); TRL and transformers use it by default.
+    `fused`: torch's one-pass kernel where it has one (about 2x faster on CPU for many small tensors; TRL and
+    transformers use it by default). The image trainer keeps the multi-tensor kernel its runs were measured with
+    (measured: with the fused kernel its two-process loss metrics left the bound tests/t2i/test_two_process.py sets
+    from other micro-batch sizes, 2.7e-9 against 4.7e-10).
     """
     if not params:
         raise ValueError("the model has no trainable parameters")
-    fused = all(
+    fused = fused and all(
         p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.float16, torch.bfloat16) for p in params
     )
     optimizer = torch.optim.AdamW(

@@ -82,7 +82,7 @@ class T2ITrainer(RunLoop):
         if self.dist.sharded:
             self.params = shard_policy(self.adapter, self.reference, self.dist)
         self.param_names = [n for n, p in self.adapter.denoiser.named_parameters() if p.requires_grad]
-        built = build_optimizer(self.params, cfg.optim, cfg.iterations)
+        built = build_optimizer(self.params, cfg.optim, cfg.iterations, fused=False)
         self.optimizer, self.scheduler = built.optimizer, built.scheduler
         self.ema = build_ema(self.params, cfg.ema)
         self.optimizer_step = OptimizerStep(

@@ -122,7 +122,7 @@ class TextGRPOTrainer(RunLoop):
             cfg, self.generator, self.tokenizer, self.data, self.rewards, self.sampler, self.dist
         )
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        built = build_optimizer(self.params, cfg.optim, cfg.steps)
+        built = build_optimizer(self.params, cfg.optim, cfg.steps, fused=True)
         self.optimizer, self.scheduler = built.optimizer, built.scheduler
         self.optimizer_step = OptimizerStep(
             self.params, self.optimizer, cfg.optim.max_grad_norm, self.dist, guard=self.guard, module=self.model
