@@ -29,6 +29,19 @@ class Scored:
     images: Optional[torch.Tensor] = None  # the final images [P * G, 3, H, W] when asked for (grids)
 
 
+class InlineJob:
+    """A reward job run by whoever first asks for its `result()` (a worker's error would surface there too)."""
+
+    def __init__(self, fn: Callable[..., Scored], args: tuple) -> None:
+        self._fn, self._args = fn, args
+        self._result: Optional[Scored] = None
+
+    def result(self) -> Scored:
+        if self._result is None:
+            self._result = self._fn(*self._args)
+        return self._result
+
+
 class RewardStage:
     def __init__(self, specs: Sequence[RewardConfig], workers: int = 2):
         from reward_models import build_scorer, get_entry
@@ -57,18 +70,12 @@ class RewardStage:
         num_leaves: int,
         keep_images: bool = False,
         inline: bool = False,
-    ) -> Future:
+    ) -> Future | InlineJob:
         """Score `latents` (the first `num_leaves` are the final images, [P * G] in group order) on a worker
-        thread; `inline`: in this thread, now (a caller that would only wait for the result: no thread handoff)."""
+        thread; `inline`: in the thread that asks for the result, when it asks (a caller that would only wait for
+        a worker: no thread handoff)."""
         args = (decode, latents, prompts, metadata, group_size, num_leaves, keep_images)
-        if not inline:
-            return self.pool.submit(self._run, *args)
-        done: Future = Future()
-        try:
-            done.set_result(self._run(*args))
-        except Exception as error:  # raised where a worker's error would be: at .result()
-            done.set_exception(error)
-        return done
+        return InlineJob(self._run, args) if inline else self.pool.submit(self._run, *args)
 
     def _run(self, decode, latents, prompts, metadata, group_size, num_leaves, keep_images) -> Scored:
         t0 = time.perf_counter()

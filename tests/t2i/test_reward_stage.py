@@ -1,5 +1,5 @@
-"""The reward stage scores on worker threads, or in the calling thread for an iteration's last batch: the same
-values either way, and a scorer's error surfaces at `.result()` in both."""
+"""The reward stage scores on worker threads, or (an iteration's last batch) in the thread that asks for the
+result: the same values either way, and a scorer's error surfaces at `.result()` in both."""
 
 from __future__ import annotations
 
@@ -33,8 +33,9 @@ def test_inline_scoring_equals_the_worker_thread(stage):
     args = (_decode_recording(threads), latents, ["a"] * 4, [{}] * 4, 2, 4)
     pooled = stage.submit(*args).result()
     inline = stage.submit(*args, inline=True)
-    assert inline.done()  # already scored when submit returns
+    assert len(threads) == 1  # scored when asked for: the caller's reward wait, not its rollout
     assert torch.equal(inline.result().values, pooled.values) and inline.result().calls == pooled.calls == 2
+    assert len(threads) == 2  # once
     assert threads[0].startswith("reward") and threads[1] == threading.current_thread().name
 
 
