@@ -115,7 +115,7 @@ def reading(result: dict) -> list[str]:
     out.append(
         f"- Phases: the rollout takes {min(roll.values()):.0%} to {roll[r_hi]:.0%} of an iteration (most: {r_hi}), "
         f"the update {min(train.values()):.0%} to {train[t_hi]:.0%} (most: {t_hi}); scoring runs on worker "
-        "threads during the rollout, and the main thread waits for it "
+        "threads during the rollout, and the main thread scores the last batch itself in its reward wait, "
         f"{min(s['phases_mean_s']['reward_wait'] for s in recipes.values()) * 1e3:.0f}-"
         f"{max(s['phases_mean_s']['reward_wait'] for s in recipes.values()) * 1e3:.0f} ms per iteration."
     )
