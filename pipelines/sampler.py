@@ -209,7 +209,7 @@ class Sampler:
 
     def _time(self, adapter, schedule, steps: int | Tensor) -> Tensor:
         """What the adapter takes as time: sigma (flow matching) or the integer timestep (DDIM). An int step (every
-        row of a rollout batch at the same step) gives one value, which the adapter expands over the rows."""
+        row of a rollout batch at the same step) gives one value (no per-step index tensor)."""
         if adapter.prediction == "epsilon":
             return schedule.timesteps[steps]
         return schedule.sigmas[steps] if schedule.model_sigmas is None else schedule.model_sigmas[steps]
@@ -222,7 +222,7 @@ class Sampler:
             self.counters.nfe_grad += rows
         else:
             self.counters.nfe_nograd += rows
-        t = self._time(adapter, schedule, steps).to(x.device)
+        t = self._time(adapter, schedule, steps).to(x.device).expand(x.shape[0])  # one value per row, as a view
         return adapter.model_output(x, t, self._index(embeds, prompt), self.config.guidance_scale, cfg_mode)
 
     def _index(self, embeds, prompt: Tensor):
