@@ -208,12 +208,11 @@ def _coefficients(schedule, i, x: Tensor, key: tuple, compute) -> tuple:
     bits either way. A tensor i (edges of different steps) computes them each time."""
     if isinstance(i, Tensor):
         return compute()
-    cache = schedule.coefficients
-    found = cache.get((key, i, x.device))
-    if found is None:
+    entry, cache = (key, i, x.device), schedule.coefficients
+    if entry not in cache:
         with torch.inference_mode(False):  # built in an inference-mode rollout, used with grad in the update
-            found = cache[(key, i, x.device)] = compute()
-    return found
+            cache[entry] = compute()
+    return cache[entry]
 
 
 # ---------------------------------------------------------------------------------------------- kernels
