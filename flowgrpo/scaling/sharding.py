@@ -98,16 +98,37 @@ def _mesh(mesh: Any) -> Any:
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     """The model library's own block-level recomputation (keeps parameter names, unlike wrapping the
-    blocks in torch's CheckpointWrapper, so checkpoints and LoRA exports keep their keys)."""
+    blocks in torch's CheckpointWrapper, so checkpoints and LoRA exports keep their keys). Recomputes in
+    backward whatever mode the model is in: the policies run in eval mode (no dropout, ratio 1)."""
     base = getattr(model, "get_base_model", lambda: model)()  # under peft, the wrapped model
-    if hasattr(base, "enable_gradient_checkpointing"):  # diffusers ModelMixin
+    if hasattr(base, "enable_gradient_checkpointing"):  # diffusers ModelMixin (recomputes whenever grad is on)
         base.enable_gradient_checkpointing()
-    elif hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5 PreTrainedModel
+        return
+    if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5 PreTrainedModel
         base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     elif hasattr(base, "gradient_checkpointing_enable"):  # older transformers
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
         raise ShardingError(f"{type(base).__name__} has no gradient checkpointing switch")
+    _recompute_in_eval_mode(base)
+
+
+def _recompute_in_eval_mode(base: torch.nn.Module) -> None:
+    """transformers recomputes a layer only while that layer is in training mode (and grad is on), so an
+    eval-mode policy kept every activation. The checkpointed layers alone are marked as training: their
+    own forward does not read the flag (checked for the common decoder layers); their attention and
+    dropout children stay in eval mode. A later `model.eval()` would undo it (the trainers call it once,
+    before this)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in base.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+    if not layers:
+        raise ShardingError(
+            f"{type(base).__name__} has no transformers GradientCheckpointingLayer with checkpointing on: its "
+            "recomputation would run only in training mode, and the policy runs in eval mode"
+        )
+    for layer in layers:
+        layer.training = True
 
 
 def shard_model(model: torch.nn.Module, cfg: ShardingConfig = ShardingConfig(), mesh: Any = None) -> list[str]:

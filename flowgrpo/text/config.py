@@ -184,6 +184,20 @@ class TrainConfig(StrictModel):
     # that share it (fewer FLOPs, same maths). auto: on when it agrees with the plain forward on the
     # first batch (to a tenth of ratio_check.tolerance in log-prob); true / false: always / never
     shared_prompt: Union[bool, Literal["auto"]] = "auto"
+    # recompute each decoder layer's activations in backward (transformers' own checkpointing): the
+    # activations of a micro-batch shrink to the layers' inputs, for about one more forward of compute.
+    # The shared-prompt forward writes a key/value cache that a recomputed layer would write twice, so
+    # `shared_prompt: auto` is off with it (FSDP2 runs take it from the accelerate config instead)
+    gradient_checkpointing: bool = False
+
+    @model_validator(mode="after")
+    def _checkpointing(self) -> "TrainConfig":
+        if self.gradient_checkpointing and self.shared_prompt is True:
+            raise ValueError(
+                "train.shared_prompt true cannot run with train.gradient_checkpointing true (a recomputed "
+                "layer would write the prompt's key/value cache twice); use shared_prompt auto or false"
+            )
+        return self
 
 
 class DynamicSamplingConfig(StrictModel):

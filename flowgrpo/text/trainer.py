@@ -22,7 +22,8 @@ that sampled it: their ratio must be 1 (flowgrpo/run/ratio_check.py).
 
 Every forward over completions runs each distinct prompt of its micro-batch once and repeats the
 prompt's key/value cache for the completions that share it (`train.shared_prompt`; on the first
-batch the trainer checks that this gives the plain forward's log-probs before using it).
+batch the trainer checks that this gives the plain forward's log-probs before using it), except with
+`train.gradient_checkpointing`, where each decoder layer recomputes its activations in backward instead.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from ..checkpoint import Checkpoint, load_into
 from ..config import ConfigError
 from ..core import LossInputs, LossNormalizer, compute_advantages, policy_loss
 from ..metrics import TIME_KEY, LossMetrics
-from ..scaling.sharding import full_state
+from ..scaling.sharding import enable_activation_checkpointing, full_state
 from ..run import CheckpointParts, FirstPassCheck, OptimizerStep, PromptSampler, RunLoop, build_optimizer
 from .collect import Collector, ScoredBatch, group_batch
 from .config import TextConfig
@@ -88,6 +89,8 @@ class TextGRPOTrainer(RunLoop):
         self.tokenizer, self.model = load_policy(cfg.model)
         self.use_kl = cfg.loss.kl.coef != 0
         self.reference = reference_policy(self.model, self.use_kl)  # a frozen copy is taken before sharding
+        if cfg.train.gradient_checkpointing:  # after the copy: the frozen reference runs without grad anyway
+            enable_activation_checkpointing(self.model)
         if self.dist.sharded:
             self.dist.shard(self.model)
             frozen = getattr(self.reference, "frozen", None)
@@ -128,6 +131,8 @@ class TextGRPOTrainer(RunLoop):
             self.params, self.optimizer, cfg.optim.max_grad_norm, self.dist, guard=self.guard, module=self.model
         )
         self.shared_prompt: Optional[bool] = None if cfg.train.shared_prompt == "auto" else cfg.train.shared_prompt
+        if cfg.train.gradient_checkpointing:  # the config refuses shared_prompt true with it
+            self.shared_prompt = False
         if self.dist.gathers_weights:
             # the shared-prompt path runs one or two forwards depending on the rows; every rank of a sharded
             # (or ZeRO-3) run must run the same number, so it takes the plain forward (one per micro-batch)
