@@ -97,8 +97,9 @@ def test_trainer_records_are_unchanged_by_checkpointing(tiny_config):
     records = [plain.train(), ckpt.train()]
     assert counts[0][0] > 0 and counts[1][0] == 2 * counts[0][0], counts
     assert [r["train/shared_prompt"] for r in records[1]] == [0, 0]
+    keys = ("reward_mean", "loss/total", "grad_norm", "ratio/mean", "entropy/mean", "check/first_pass_ratio_dev")
     for a, b in zip(*records):
-        for key in ("reward_mean", "loss/total", "grad_norm", "ratio/mean", "entropy/mean", "check/first_pass_ratio_dev"):
+        for key in keys:
             assert a[key] == b[key], key
     for p, q in zip(plain.model.parameters(), ckpt.model.parameters()):
         assert torch.equal(p, q)
