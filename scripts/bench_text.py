@@ -8,7 +8,7 @@ Both trainers run in this one process on a random Qwen2 built from a config (the
 of the tests: no download), with the same initial weights, prompts, reward function, group size,
 completion length, sampling settings (temperature 1, no top-k / top-p), loss type, no KL, one
 optimizer step per generation batch, one micro-batch, fp32. TRL runs offline: no hub, no vLLM,
-report_to none, no gradient checkpointing (our trainer has none either), bf16 off (fp32 as ours).
+report_to none, no gradient checkpointing unless --checkpointing turns it on in both, bf16 off (fp32 as ours).
 
 Contenders:
   ours (matched)  the same passes as TRL: generate, one forward+backward (old log-probs = the
@@ -118,6 +118,7 @@ def run_ours(args, size: str, variant: str, out_dir: Path) -> list[dict]:
         f"train.logprob_batch_size={P * G}",
         f"ratio_check.enabled={str(variant == 'ours_default').lower()}",
         f"train.shared_prompt={'false' if variant == 'ours_plain' else 'auto'}",
+        f"train.gradient_checkpointing={str(args.checkpointing).lower()}",
         "checkpoint.every=0",
         "checkpoint.save_final_model=false",
     ]
@@ -200,7 +201,7 @@ def run_trl(args, size: str, out_dir: Path) -> list[dict]:
         warmup_steps=0,
         bf16=False,
         fp16=False,
-        activation_checkpointing=False,
+        activation_checkpointing=args.checkpointing,
         use_vllm=False,
         use_cpu=args.device == "cpu",
         report_to="none",
@@ -307,6 +308,12 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--device", default="cpu", help="cpu | cuda")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--checkpointing",
+        action="store_true",
+        help="both trainers recompute each decoder layer in backward (ours: train.gradient_checkpointing, which "
+        "turns the shared-prompt forward off; TRL: activation_checkpointing)",
+    )
     p.add_argument(
         "--contenders",
         default="ours_matched,ours_default,ours_plain,trl",

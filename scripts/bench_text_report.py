@@ -98,7 +98,8 @@ def markdown(result: dict) -> str:
         " (other jobs on the machine slow every contender alike; rounds alternate the order)",
         "- versions: " + ", ".join(f"{k} {v}" for k, v in ver.items() if v),
         f"- work per step: {cfg['prompts']} prompts x {cfg['group_size']} completions x up to "
-        f"{cfg['max_new_tokens']} tokens, loss `{cfg['loss']}`, no KL, 1 optimizer step, fp32; "
+        f"{cfg['max_new_tokens']} tokens, loss `{cfg['loss']}`, no KL, 1 optimizer step, fp32, "
+        f"gradient checkpointing {'on in both' if cfg.get('checkpointing') else 'off'}; "
         f"{cfg['rounds']} rounds x {cfg['steps']} measured steps after {cfg['warmup']} warm-up step(s) per round",
         "",
         "ours / TRL: per round, the median s/step of ours over TRL's in the same round; the median over rounds "
