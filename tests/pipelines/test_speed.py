@@ -110,17 +110,24 @@ def test_chunked_decode_equals_one_batch():
     z = torch.randn(5, *adapter.latent_shape(32, 32))
     whole = adapter.decode(z)
     adapter.decode_batch_size = 2
+    rows = []
+    decode = adapter.vae.decode
+    adapter.vae.decode = lambda latents, **kw: rows.append(latents.shape[0]) or decode(latents, **kw)
     torch.testing.assert_close(adapter.decode(z), whole, atol=1e-5, rtol=0)
+    assert rows == [2, 2, 1]  # the VAE saw chunks, not the whole batch
 
 
 @pytest.mark.parametrize("speed", [{}, {"autocast": "bfloat16"}], ids=["fp32", "autocast-bf16"])
 def test_inference_mode_rollout_rescored_with_grad_gives_ratio_one(speed):
     adapter, params, _ = _adapter("sd3", **speed)
     plan = build_plan("full_sde", 3)
-    runs = {}
+    runs, modes = {}, []
+    hook = adapter.denoiser.register_forward_hook(lambda *_: modes.append(torch.is_inference_mode_enabled()))
     for mode in (False, True):
         sampler = Sampler(SamplerConfig(num_steps=3, inference_mode=mode))
         runs[mode] = sampler, sampler.run(adapter, PROMPTS, plan, 2, torch.Generator().manual_seed(0))
+    hook.remove()
+    assert modes == [False] * 3 + [True] * 3  # the switch is what puts the denoiser calls in inference mode
     sampler, tree = runs[True]
     assert not tree.states.is_inference() and not tree.schedule.sigmas.is_inference()
     torch.testing.assert_close(tree.states, runs[False][1].states, atol=0, rtol=0)  # same rollout either way
