@@ -10,7 +10,9 @@ distinct prompt of a micro-batch runs through the model once, its key/value cach
 rows that share it (an index, so gradients flow back into the one prompt pass), and only the
 completion tokens run per row. Same maths, fewer FLOPs: the prompt tokens of a micro-batch are
 computed once per prompt instead of once per completion. `shared_prompt_deviation` measures how far
-the two paths are apart for a model (the trainer uses the shared one only when they agree).
+the two paths are apart for a model, `sampler_deviation` how far the plain one is from the engine that
+sampled (the trainer uses the shared path when it is no further from the plain one than that, or than a
+tenth of the ratio-check tolerance).
 """
 
 from __future__ import annotations
@@ -169,3 +171,16 @@ def shared_prompt_deviation(model, rollout: Rollout, rows: Tensor, temperature: 
     if not bool(mask.any()):
         return 0.0
     return float((plain - shared)[mask].abs().max())
+
+
+@torch.no_grad()
+def sampler_deviation(model, rollout: Rollout, rows: Tensor, temperature: float) -> Optional[float]:
+    """max |log-prob difference| over the completion tokens of `rows` between the plain forward and the
+    sampler's own log-probs (`rollout.rollout_logp`); None when the rollout has none."""
+    if rollout.rollout_logp is None:
+        return None
+    plain = micro_logprobs(model, rollout, rows, temperature).logp
+    mask = rollout.completion_mask[rows].to(plain.device)
+    if not bool(mask.any()):
+        return 0.0
+    return float((plain - rollout.rollout_logp[rows].to(plain.device))[mask].abs().max())

@@ -46,7 +46,7 @@ from .collect import Collector, ScoredBatch, group_batch
 from .config import TextConfig
 from .data import load_prompts
 from .generation import Rollout, TransformersGenerator, eos_token_ids
-from .logprobs import TokenLogprobs, micro_logprobs, shared_prompt_deviation
+from .logprobs import TokenLogprobs, micro_logprobs, sampler_deviation, shared_prompt_deviation
 from .models import is_peft, load_policy, reference_policy, resolve_model_path, trainable_state
 from .rewards import build_rewards
 from .rollout_correction import correction_weights, mismatch_metrics
@@ -383,21 +383,29 @@ class TextGRPOTrainer(RunLoop):
 
     def _decide_shared_prompt(self, rollout: Rollout, record: dict[str, Any], counts: dict[str, int]) -> None:
         """train.shared_prompt auto: compare the shared-prompt and the plain forward on the first groups of
-        the first batch; use the shared one when they agree to a tenth of the ratio-check tolerance."""
+        the first batch; use the shared one when they agree to a tenth of the ratio-check tolerance, or (the
+        sampler's log-probs recorded) when the shared one is no further from the plain one than the plain one
+        is from the sampler: in bf16 both paths round differently, as the sampling engine does."""
         G = rollout.group_size
+        temperature = self.cfg.generation.temperature
         rows = torch.arange(min(rollout.num_sequences, max(2 * G, 2), self.cfg.train.micro_batch_size))
         shares = torch.unique(rollout.prompt_index[rows]).numel() < rows.numel()
-        deviation = (
-            shared_prompt_deviation(self.model, rollout, rows, self.cfg.generation.temperature) if shares else math.inf
-        )
-        counts["nfe_nograd"] += 2 * rows.numel() if shares else 0  # once per run: plain + shared pass
+        deviation = shared_prompt_deviation(self.model, rollout, rows, temperature) if shares else math.inf
+        floor = sampler_deviation(self.model, rollout, rows, temperature) if shares else None
+        counts["nfe_nograd"] += (2 + (floor is not None)) * rows.numel() if shares else 0  # once per run
         deviation = self.dist.max(deviation)  # every rank decides the same
-        self.shared_prompt = deviation <= self.cfg.ratio_check.tolerance / 10
+        bound = self.cfg.ratio_check.tolerance / 10
+        if floor is not None:  # the same on every rank: whether the sampler's log-probs are recorded is config
+            floor = self.dist.max(floor)
+            record["check/shared_prompt_floor"] = floor
+            bound = max(bound, floor)
+        self.shared_prompt = deviation <= bound
         record["check/shared_prompt_deviation"] = deviation
         log.info(
-            "shared-prompt forward %s (max |log-prob difference| to the plain forward: %.2e)",
+            "shared-prompt forward %s (max |log-prob difference| to the plain forward: %.2e; allowed: %.2e)",
             "on" if self.shared_prompt else "off",
             deviation,
+            bound,
         )
 
     def _needs_old_logp(self) -> bool:
