@@ -60,6 +60,9 @@ class ModelConfig(StrictModel):
     revision: Optional[str] = None
     trust_remote_code: bool = False
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # every forward of the policy under torch.autocast in this dtype, the weights staying in `dtype`: fp32
+    # master weights with bf16 matmuls (AdamW on bf16 weights loses updates below bf16's resolution)
+    autocast: Optional[Literal["bfloat16", "float16"]] = None
     device: str = "auto"  # auto | cpu | cuda | cuda:1 ...
     lora: LoraConfig = Field(default_factory=LoraConfig)
 

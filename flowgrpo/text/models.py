@@ -19,6 +19,7 @@ import torch
 from reward_models.placement import resolve_device, resolve_dtype
 
 from .config import LoraConfig, ModelConfig, TinyModelConfig
+from .precision import autocast_forwards
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +203,8 @@ def load_policy(cfg: ModelConfig):
     model.to(resolve_device(cfg.device))
     if cfg.lora.enabled:
         model = apply_lora(model, cfg.lora)
+    if cfg.autocast is not None:
+        autocast_forwards(model, resolve_dtype(cfg.autocast))
     model.eval()
     return tokenizer, model
 
