@@ -66,6 +66,16 @@ class ModelConfig(StrictModel):
     device: str = "auto"  # auto | cpu | cuda | cuda:1 ...
     lora: LoraConfig = Field(default_factory=LoraConfig)
 
+    @model_validator(mode="after")
+    def _master_weights(self) -> "ModelConfig":
+        if not self.lora.enabled and self.dtype != "float32":  # LoRA weights are fp32 on any base dtype
+            raise ValueError(
+                f"model: full fine-tuning keeps float32 master weights (AdamW on {self.dtype} weights rounds away "
+                f"updates below its resolution: at lr 1e-6 almost no weight moves); use dtype float32 "
+                f"(bf16 compute on fp32 weights: autocast bfloat16), or lora.enabled true"
+            )
+        return self
+
 
 class TaskConfig(PartSpec):
     """A built-in generated dataset: `name` plus the generator's settings (see flowgrpo.text.data.TASKS)."""

@@ -4,17 +4,15 @@ AdamW on bf16 weights loses every update below bf16's resolution (about 1/256 of
 learning rates of RL fine-tuning (1e-6) a step leaves almost every weight as it was (measured on a tiny
 Qwen2, one step at lr 1e-6: 2 % of the weights moved in bf16, all of them in fp32). `model.autocast`
 keeps the weights in `model.dtype` (float32) and runs every forward of the policy (generation, log-prob
-passes, the training forward, the frozen reference copy) with bf16 / fp16 matmuls.
+passes, the training forward, the frozen reference copy) with bf16 / fp16 matmuls; the config refuses a
+full fine-tune in bf16 / fp16 weights, as the image trainer's does.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
-
-log = logging.getLogger(__name__)
 
 
 class _AutocastHooks:
@@ -42,19 +40,3 @@ def autocast_forwards(model: torch.nn.Module, dtype: torch.dtype) -> None:
     hooks = _AutocastHooks(dtype)
     base.register_forward_pre_hook(hooks.enter, with_kwargs=True)
     base.register_forward_hook(hooks.leave, with_kwargs=True, always_call=True)
-
-
-def warn_low_precision_weights(trained: list[torch.nn.Parameter], lr: float) -> None:
-    """A logged warning when AdamW will update bf16 / fp16 weights directly (a full fine-tune loaded in
-    that dtype; LoRA weights are fp32 whatever the base)."""
-    low = [p for p in trained if p.dtype in (torch.bfloat16, torch.float16)]
-    if low:
-        log.warning(
-            "%d of %d trained tensors are %s: AdamW updates smaller than that dtype's resolution are lost "
-            "(at lr %.1e most weights will not move); use model.dtype float32 with model.autocast %s",
-            len(low),
-            len(trained),
-            str(low[0].dtype).removeprefix("torch."),
-            lr,
-            str(low[0].dtype).removeprefix("torch."),
-        )

@@ -48,7 +48,6 @@ from .data import load_prompts
 from .generation import Rollout, TransformersGenerator, eos_token_ids
 from .logprobs import TokenLogprobs, micro_logprobs, sampler_deviation, shared_prompt_deviation
 from .models import is_peft, load_policy, reference_policy, resolve_model_path, trainable_state
-from .precision import warn_low_precision_weights
 from .rewards import build_rewards
 from .rollout_correction import correction_weights, mismatch_metrics
 
@@ -126,7 +125,6 @@ class TextGRPOTrainer(RunLoop):
             cfg, self.generator, self.tokenizer, self.data, self.rewards, self.sampler, self.dist
         )
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        warn_low_precision_weights(self.params, cfg.optim.lr)
         built = build_optimizer(self.params, cfg.optim, cfg.steps, fused=True)
         self.optimizer, self.scheduler = built.optimizer, built.scheduler
         self.optimizer_step = OptimizerStep(
