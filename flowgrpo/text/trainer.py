@@ -40,7 +40,7 @@ from ..checkpoint import Checkpoint, load_into
 from ..config import ConfigError
 from ..core import LossInputs, LossNormalizer, compute_advantages, policy_loss
 from ..metrics import TIME_KEY, LossMetrics
-from ..scaling.sharding import enable_activation_checkpointing, full_state
+from ..scaling.sharding import ShardingError, enable_activation_checkpointing, full_state
 from ..run import CheckpointParts, FirstPassCheck, OptimizerStep, PromptSampler, RunLoop, build_optimizer
 from .collect import Collector, ScoredBatch, group_batch
 from .config import TextConfig
@@ -90,7 +90,10 @@ class TextGRPOTrainer(RunLoop):
         self.use_kl = cfg.loss.kl.coef != 0
         self.reference = reference_policy(self.model, self.use_kl)  # a frozen copy is taken before sharding
         if cfg.train.gradient_checkpointing:  # after the copy: the frozen reference runs without grad anyway
-            enable_activation_checkpointing(self.model)
+            try:
+                enable_activation_checkpointing(self.model)
+            except ShardingError as err:
+                raise ConfigError(f"train.gradient_checkpointing: {err}") from None
         if self.dist.sharded:
             self.dist.shard(self.model)
             frozen = getattr(self.reference, "frozen", None)

@@ -109,3 +109,16 @@ def test_shared_prompt_true_is_refused_with_checkpointing(tiny_config):
     assert tiny_config().train.gradient_checkpointing is False
     with pytest.raises(ConfigError, match="shared_prompt true cannot run with train.gradient_checkpointing"):
         tiny_config("train.gradient_checkpointing=true", "train.shared_prompt=true")
+
+
+def test_a_model_whose_layers_cannot_recompute_in_eval_mode_is_refused(tiny_config, monkeypatch):
+    import transformers.modeling_layers
+
+    from flowgrpo.scaling.sharding import ShardingError
+
+    monkeypatch.setattr(transformers.modeling_layers, "GradientCheckpointingLayer", type("Other", (), {}))
+    tok = build_tiny_tokenizer()
+    with pytest.raises(ShardingError, match="no transformers GradientCheckpointingLayer"):
+        enable_activation_checkpointing(_policy("qwen2", tok))
+    with pytest.raises(ConfigError, match="train.gradient_checkpointing: .*policy runs in eval mode"):
+        TextGRPOTrainer(tiny_config("train.gradient_checkpointing=true"))
