@@ -48,9 +48,12 @@ def test_tiny_gpu_check_end_to_end(tmp_path):
 
     assert report["mode"] == "tiny" and report["info"]["peak_tflops"] == 1.0
     assert report["info"]["versions"]["torch"] and report["info"]["date"]
-    assert len(report["sections"]) == 4  # SD3.5, FLUX, text with transformers, text with vLLM (or its skip)
+    # SD3.5, FLUX, text LoRA with transformers, with vLLM (or its skip), text full fine-tune (fp32 + autocast)
+    assert len(report["sections"]) == 5
+    full = report["sections"][-1]
+    assert "full fine-tune" in full["title"] and full["settings"]["dtype"].startswith("float32 weights")
     ran = [s for s in report["sections"] if not s["skipped"]]
-    assert len(ran) >= 3 and not any(s["error"] for s in ran)
+    assert len(ran) >= 4 and not any(s["error"] for s in ran)
     for sec in ran:
         assert sec["figures"], sec["title"]
         for name, value in sec["figures"].items():

@@ -21,7 +21,7 @@ from .image import flux_check, sd35_check
 from .report import Report, Section, write
 from .text import text_check
 
-CHECKS = ("sd35", "flux", "text", "vllm")
+CHECKS = ("sd35", "flux", "text", "vllm", "text_full")
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "docs" / "gpu_validation.md"
 
 
@@ -91,6 +91,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for backend, key in (("transformers", "text"), ("vllm", "vllm")):
         if key not in args.skip:
             sections.append(_run(lambda b=backend: text_check(sizes, info, dtype, b), f"text ({backend})", device))
+    if "text_full" not in args.skip:
+        sections.append(
+            _run(lambda: text_check(sizes, info, dtype, "transformers", full=True), "text full fine-tune", device)
+        )
     command = "python scripts/gpu_check.py" + "".join(f" {shlex.quote(a)}" for a in (argv or sys.argv[1:]))
     report = Report(
         command=command,

@@ -37,10 +37,13 @@ def vllm_unavailable(device: str) -> str | None:
     return None
 
 
-def text_check(sizes: models.Sizes, info: DeviceInfo, dtype: torch.dtype, backend: str) -> Section:
+def text_check(sizes: models.Sizes, info: DeviceInfo, dtype: torch.dtype, backend: str, full: bool = False) -> Section:
+    """LoRA on a `dtype` base; `full`: a full fine-tune on fp32 master weights with `dtype` autocast and
+    gradient checkpointing (the real text recipe's precision)."""
     from flowgrpo.text import load_text_config, train_text
 
-    sec = Section(models.stand_in(sizes) + f"Qwen2.5-0.5B-size text GRPO step, generation backend {backend}")
+    what = "full fine-tune, fp32 master weights, autocast, gradient checkpointing" if full else "LoRA"
+    sec = Section(models.stand_in(sizes) + f"Qwen2.5-0.5B-size text GRPO step ({what}), generation backend {backend}")
     if backend == "vllm":
         sec.skipped = vllm_unavailable(info.device)
         if sec.skipped:
@@ -49,13 +52,14 @@ def text_check(sizes: models.Sizes, info: DeviceInfo, dtype: torch.dtype, backen
     steps = 1 + sizes.repeats  # the first step warms up (allocator, kernels, the vLLM engine's graphs)
     with tempfile.TemporaryDirectory(prefix="flowgrpo_gpu_check_") as tmp:
         folder = models.save_qwen(sizes, str(Path(tmp) / "model"), dtype)
+        if full:
+            precision = ["model.dtype=float32", f"model.autocast={name}", "train.gradient_checkpointing=true"]
+        else:
+            precision = [f"model.dtype={name}", "model.lora.enabled=true", "model.lora.r=16", "model.lora.alpha=32"]
         overrides = [
             f"model.name_or_path={folder}",
-            f"model.dtype={name}",
+            *precision,
             f"model.device={info.device}",
-            "model.lora.enabled=true",
-            "model.lora.r=16",
-            "model.lora.alpha=32",
             f"generation.backend={backend}",
             f"generation.prompts_per_step={sizes.text_prompts}",
             f"generation.group_size={sizes.text_group}",
@@ -73,8 +77,8 @@ def text_check(sizes: models.Sizes, info: DeviceInfo, dtype: torch.dtype, backen
             "vocabulary": "151936" if not sizes.tiny else "259",
             "prompts x group": f"{sizes.text_prompts} x {sizes.text_group}",
             "max new tokens": sizes.text_new_tokens,
-            "dtype": name,
-            "lora": "r16 q/k/v/o",
+            "dtype": f"float32 weights, {name} autocast" if full else name,
+            "trained": "every weight, gradient checkpointing" if full else "LoRA r16 q/k/v/o",
             "loss": cfg.loss.preset,
         }
         reset_peak_memory(info.device)
