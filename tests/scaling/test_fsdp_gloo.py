@@ -166,3 +166,36 @@ def test_atomic_save_replaces_a_stale_temporary_folder_and_the_target(tmp_path):
         fr.full_model_and_optim(model, opt, True),
         "atomic save, reloaded",
     )
+
+
+def _saved_for_backward(kind: str, model: torch.nn.Module) -> int:
+    """Bytes autograd keeps for backward in one training forward."""
+    saved = [0]
+
+    def pack(t):
+        saved[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fr.loss(kind, model, fr.batch(kind, 0), torch.float32)
+    return saved[0]
+
+
+@pytest.mark.parametrize("kind", ["qwen2_lora", "sd3_full"])
+def test_activation_checkpointing_recomputes_eval_mode_blocks_under_fsdp2(tmp_path, kind):
+    """The trainers' policies run in eval mode; under fully_shard the blocks become FSDP<Block> classes.
+    Neither may switch recomputation off (transformers used to recompute only in training mode)."""
+    import torch.distributed as dist
+
+    from flowgrpo.scaling.sharding import ShardingConfig
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        saved = {}
+        for recompute in (False, True):
+            model = fr.build(kind).eval()
+            shard_model(model, ShardingConfig(activation_checkpointing=recompute))
+            saved[recompute] = _saved_for_backward(kind, model)
+        assert saved[True] < saved[False] / 2, saved
+    finally:
+        dist.destroy_process_group()
