@@ -52,7 +52,7 @@ def test_an_eval_mode_policy_recomputes_with_the_same_bits(family):
     kept, logp, grads = _saved_bytes_and_grads(model, rollout, rows)
     enable_activation_checkpointing(model)
     recomputed, logp_ckpt, grads_ckpt = _saved_bytes_and_grads(model, rollout, rows)
-    assert recomputed < kept / 3, (recomputed, kept)  # measured: 111 -> 10 MB on a 4-layer, 256-wide Qwen2
+    assert recomputed < kept / 3, (recomputed, kept)  # measured: 111 -> 10 MB on a 2-layer, 256-wide Qwen2
     assert torch.equal(logp_ckpt, logp)
     assert grads_ckpt.keys() == grads.keys() and len(grads) > 0
     for name, g in grads.items():
