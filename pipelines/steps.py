@@ -209,10 +209,11 @@ def _coefficients(schedule, i, x: Tensor, key: tuple, compute) -> tuple:
     if isinstance(i, Tensor):
         return compute()
     entry, cache = (key, i, x.device), schedule.coefficients
-    if entry not in cache:
+    found = cache.get(entry)  # one lookup per step on a hit
+    if found is None:
         with torch.inference_mode(False):  # built in an inference-mode rollout, used with grad in the update
-            cache[entry] = compute()
-    return cache[entry]
+            found = cache[entry] = compute()
+    return found
 
 
 # ---------------------------------------------------------------------------------------------- kernels

@@ -159,10 +159,14 @@ def batch_logprobs(
 
 
 @torch.no_grad()
-def shared_prompt_deviation(model, rollout: Rollout, rows: Tensor, temperature: float) -> float:
+def shared_prompt_deviation(
+    model, rollout: Rollout, rows: Tensor, temperature: float, plain: Optional[Tensor] = None
+) -> float:
     """max |log-prob difference| over the completion tokens of `rows` between the shared-prompt and the
-    plain forward (inf when the shared path fails for this model)."""
-    plain = micro_logprobs(model, rollout, rows, temperature).logp
+    plain forward (inf when the shared path fails for this model); `plain`: that forward's log-probs, if
+    the caller has them."""
+    if plain is None:
+        plain = micro_logprobs(model, rollout, rows, temperature).logp
     try:
         shared = micro_logprobs(model, rollout, rows, temperature, shared_prompt=True).logp
     except Exception:  # noqa: BLE001 - a model whose cache cannot be repeated: the plain path it is
@@ -174,12 +178,15 @@ def shared_prompt_deviation(model, rollout: Rollout, rows: Tensor, temperature: 
 
 
 @torch.no_grad()
-def sampler_deviation(model, rollout: Rollout, rows: Tensor, temperature: float) -> Optional[float]:
+def sampler_deviation(
+    model, rollout: Rollout, rows: Tensor, temperature: float, plain: Optional[Tensor] = None
+) -> Optional[float]:
     """max |log-prob difference| over the completion tokens of `rows` between the plain forward and the
-    sampler's own log-probs (`rollout.rollout_logp`); None when the rollout has none."""
+    sampler's own log-probs (`rollout.rollout_logp`); None when the rollout has none. `plain`: as above."""
     if rollout.rollout_logp is None:
         return None
-    plain = micro_logprobs(model, rollout, rows, temperature).logp
+    if plain is None:
+        plain = micro_logprobs(model, rollout, rows, temperature).logp
     mask = rollout.completion_mask[rows].to(plain.device)
     if not bool(mask.any()):
         return 0.0

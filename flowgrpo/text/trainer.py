@@ -133,13 +133,12 @@ class TextGRPOTrainer(RunLoop):
         self.optimizer_step = OptimizerStep(
             self.params, self.optimizer, cfg.optim.max_grad_norm, self.dist, guard=self.guard, module=self.model
         )
-        self.shared_prompt: Optional[bool] = None if cfg.train.shared_prompt == "auto" else cfg.train.shared_prompt
-        if cfg.train.gradient_checkpointing:  # the config refuses shared_prompt true with it
-            self.shared_prompt = False
-        if self.dist.gathers_weights:
-            # the shared-prompt path runs one or two forwards depending on the rows; every rank of a sharded
-            # (or ZeRO-3) run must run the same number, so it takes the plain forward (one per micro-batch)
-            self.shared_prompt = False
+        # Off with gradient checkpointing (the config refuses shared_prompt true with it), and in sharded or ZeRO-3
+        # runs: the shared-prompt path runs one or two forwards depending on the rows, and every rank there must
+        # run the same number, so those take the plain forward (one per micro-batch)
+        configured = None if cfg.train.shared_prompt == "auto" else cfg.train.shared_prompt
+        off = cfg.train.gradient_checkpointing or self.dist.gathers_weights
+        self.shared_prompt: Optional[bool] = False if off else configured
         if cfg.resume:
             self.resume()
 
@@ -393,9 +392,13 @@ class TextGRPOTrainer(RunLoop):
         temperature = self.cfg.generation.temperature
         rows = torch.arange(min(rollout.num_sequences, max(2 * G, 2), self.cfg.train.micro_batch_size))
         shares = torch.unique(rollout.prompt_index[rows]).numel() < rows.numel()
-        deviation = shared_prompt_deviation(self.model, rollout, rows, temperature) if shares else math.inf
-        floor = sampler_deviation(self.model, rollout, rows, temperature) if shares else None
-        counts["nfe_nograd"] += (2 + (floor is not None)) * rows.numel() if shares else 0  # once per run
+        deviation, floor = math.inf, None
+        if shares:  # once per run: the plain and the shared pass
+            with torch.no_grad():
+                plain = micro_logprobs(self.model, rollout, rows, temperature).logp
+            deviation = shared_prompt_deviation(self.model, rollout, rows, temperature, plain=plain)
+            floor = sampler_deviation(self.model, rollout, rows, temperature, plain=plain)
+            counts["nfe_nograd"] += 2 * rows.numel()
         deviation = self.dist.max(deviation)  # every rank decides the same
         bound = self.cfg.ratio_check.tolerance / 10
         if floor is not None:  # the same on every rank: whether the sampler's log-probs are recorded is config

@@ -3,6 +3,8 @@ that load across world sizes (2 -> 1 and 1 -> 2) bit for bit."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -168,21 +170,8 @@ def test_atomic_save_replaces_a_stale_temporary_folder_and_the_target(tmp_path):
     )
 
 
-def _saved_for_backward(kind: str, model: torch.nn.Module) -> int:
-    """Bytes autograd keeps for backward in one training forward."""
-    saved = [0]
-
-    def pack(t):
-        saved[0] += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fr.loss(kind, model, fr.batch(kind, 0), torch.float32)
-    return saved[0]
-
-
 @pytest.mark.parametrize("kind", ["qwen2_lora", "sd3_full"])
-def test_activation_checkpointing_recomputes_eval_mode_blocks_under_fsdp2(tmp_path, kind):
+def test_activation_checkpointing_recomputes_eval_mode_blocks_under_fsdp2(tmp_path, kind, saved_for_backward):
     """The trainers' policies run in eval mode; under fully_shard the blocks become FSDP<Block> classes.
     Neither may switch recomputation off (transformers used to recompute only in training mode)."""
     import torch.distributed as dist
@@ -195,7 +184,7 @@ def test_activation_checkpointing_recomputes_eval_mode_blocks_under_fsdp2(tmp_pa
         for recompute in (False, True):
             model = fr.build(kind).eval()
             shard_model(model, ShardingConfig(activation_checkpointing=recompute))
-            saved[recompute] = _saved_for_backward(kind, model)
+            saved[recompute], _ = saved_for_backward(partial(fr.loss, kind, model, fr.batch(kind, 0), torch.float32))
         assert saved[True] < saved[False] / 2, saved
     finally:
         dist.destroy_process_group()

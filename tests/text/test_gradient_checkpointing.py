@@ -27,31 +27,24 @@ def _policy(family: str, tok):
     return model.eval()  # as load_policy returns it
 
 
-def _saved_bytes_and_grads(model, rollout, rows):
+def _saved_bytes_and_grads(measure, model, rollout, rows):
     """Bytes autograd saves for backward in one training forward, the log-probs, and the gradients."""
-    saved = [0]
-
-    def pack(t):
-        saved[0] += t.numel() * t.element_size()
-        return t
-
     model.zero_grad(set_to_none=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logp = micro_logprobs(model, rollout, rows, temperature=1.0).logp
+    saved, logp = measure(lambda: micro_logprobs(model, rollout, rows, temperature=1.0).logp)
     (logp * rollout.completion_mask[rows]).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return saved[0], logp.detach(), grads
+    return saved, logp.detach(), grads
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen2_lora", "llama"])
-def test_an_eval_mode_policy_recomputes_with_the_same_bits(family):
+def test_an_eval_mode_policy_recomputes_with_the_same_bits(family, saved_for_backward):
     tok = build_tiny_tokenizer()
     model = _policy(family, tok)
     rollout = _rollout(model, tok, eos_bias=3.0)
     rows = torch.arange(rollout.num_sequences)
-    kept, logp, grads = _saved_bytes_and_grads(model, rollout, rows)
+    kept, logp, grads = _saved_bytes_and_grads(saved_for_backward, model, rollout, rows)
     enable_activation_checkpointing(model)
-    recomputed, logp_ckpt, grads_ckpt = _saved_bytes_and_grads(model, rollout, rows)
+    recomputed, logp_ckpt, grads_ckpt = _saved_bytes_and_grads(saved_for_backward, model, rollout, rows)
     assert recomputed < kept / 3, (recomputed, kept)  # measured: 111 -> 10 MB on a 2-layer, 256-wide Qwen2
     assert torch.equal(logp_ckpt, logp)
     assert grads_ckpt.keys() == grads.keys() and len(grads) > 0
@@ -62,7 +55,7 @@ def test_an_eval_mode_policy_recomputes_with_the_same_bits(family):
     assert not base.training and not base.model.layers[0].self_attn.training
 
 
-def test_dropout_stays_off_in_the_recomputed_layers():
+def test_dropout_stays_off_in_the_recomputed_layers(saved_for_backward):
     tok = build_tiny_tokenizer()
     model = _policy("qwen2", tok)
     rollout = _rollout(model, tok)
@@ -72,7 +65,7 @@ def test_dropout_stays_off_in_the_recomputed_layers():
     rows = torch.arange(rollout.num_sequences)
     with torch.no_grad():
         sampled = micro_logprobs(model, rollout, rows, temperature=1.0).logp
-    _, trained, _ = _saved_bytes_and_grads(model, rollout, rows)
+    _, trained, _ = _saved_bytes_and_grads(saved_for_backward, model, rollout, rows)
     assert torch.equal(trained, sampled)  # the first training pass re-scores the rollout: ratio 1
 
 
