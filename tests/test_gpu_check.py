@@ -101,3 +101,21 @@ def test_real_size_models_fit_together_on_the_meta_device():
         with torch.no_grad():
             out = adapter.model_output(x, torch.tensor([0.5], device="meta"), embeds, 4.5, cfg_mode)
         assert out.shape == x.shape and out.dtype == torch.float32
+
+
+def test_flowgrpo_gpu_check_command(capsys, monkeypatch):
+    """`flowgrpo gpu-check` is the script's command: its options, and without CUDA and --tiny a one-line refusal
+    (exit 2) before any model is built; from a checkout the report goes to the committed docs page."""
+    import pytest
+    import torch
+
+    from flowgrpo.cli import main
+    from flowgrpo.gpu_check.runner import DEFAULT_OUT
+
+    assert DEFAULT_OUT == DOCS
+    with pytest.raises(SystemExit) as exit_:
+        main(["gpu-check", "--help"])
+    assert exit_.value.code == 0 and "usage: flowgrpo gpu-check" in capsys.readouterr().out
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["gpu-check", "--skip", "vllm"]) == 2
+    assert "no CUDA device here" in capsys.readouterr().err

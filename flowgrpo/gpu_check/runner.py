@@ -22,11 +22,17 @@ from .report import Report, Section, write
 from .text import text_check
 
 CHECKS = ("sd35", "flux", "text", "vllm", "text_full")
-DEFAULT_OUT = Path(__file__).resolve().parents[2] / "docs" / "gpu_validation.md"
+_CHECKOUT = Path(__file__).resolve().parents[2]
+# the checkout's committed report when run from the repository; an installed package writes to the working folder
+DEFAULT_OUT = (
+    _CHECKOUT / "docs" / "gpu_validation.md" if (_CHECKOUT / "pyproject.toml").is_file() else Path("gpu_validation.md")
+)
 
 
 def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Validate the GPU path (real-size random models) and write a report.")
+    p = argparse.ArgumentParser(
+        prog="flowgrpo gpu-check", description="Validate the GPU path (real-size random models) and write a report."
+    )
     p.add_argument("--tiny", action="store_true", help="tiny models on CPU (or --device): the same code, in seconds")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="markdown report (JSON written beside it)")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu (tiny only)")
@@ -63,7 +69,7 @@ def _run(sec_fn: Callable[[], Section], title: str, device: str) -> Section:
     return sec
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, invoked_as: str = "python scripts/gpu_check.py") -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights only: nothing is downloaded
     args = parse(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -95,7 +101,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sections.append(
             _run(lambda: text_check(sizes, info, dtype, "transformers", full=True), "text full fine-tune", device)
         )
-    command = "python scripts/gpu_check.py" + "".join(f" {shlex.quote(a)}" for a in (argv or sys.argv[1:]))
+    command = invoked_as + "".join(f" {shlex.quote(a)}" for a in (argv or sys.argv[1:]))
     report = Report(
         command=command,
         mode="tiny" if args.tiny else "full",
