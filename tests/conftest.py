@@ -1,4 +1,4 @@
-"""Test-wide settings: no model hub, two threads, fixed seeds."""
+"""Test-wide settings: no model hub, two threads (one in each pytest-xdist worker), fixed seeds."""
 
 import os
 from pathlib import Path
@@ -11,7 +11,8 @@ import torchvision_cpu_hook  # noqa: E402,F401  (torchvision on a CPU torch)
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(2)
+# two threads; one per pytest-xdist worker (the README's command runs two workers: they fill the cores)
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
 @pytest.fixture(autouse=True)
@@ -21,11 +22,30 @@ def _seed():
 
 
 def _free_port() -> int:
+    """A free port for a launch's MASTER_PORT. Its ranks bind it seconds later (after their imports); a port
+    from the ephemeral range (what bind(0), connect and gloo's pair sockets draw from) could be taken by another
+    pytest-xdist worker's sockets in between. So: a random port below that range, from a block of its own for
+    each of the first 8 workers (bind(0) beyond them, or where the ephemeral range starts too low)."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 49152  # the IANA range (macOS, Windows)
+    block = (ephemeral_low - 10000) // 8
+    candidates = []
+    if worker < 8 and block >= 100:
+        candidates = random.Random().sample(range(10000 + worker * block, 10000 + (worker + 1) * block), 100)
+    for port in candidates + [0]:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError("no free port")
 
 
 @pytest.fixture

@@ -73,7 +73,7 @@ def launch(launch_ranks, monkeypatch):
 
 
 # Finished one-process runs (no FSDP2, no DeepSpeed) by their settings: the FSDP2 and ZeRO tests compare against
-# the same reference runs, so each runs once per session and later callers get a copy of its folder.
+# the same reference runs, so each runs once per test process (per xdist worker) and later callers get a copy.
 _PLAIN_RUNS: dict[tuple[str, ...], Path] = {}
 _PLAIN_CACHE = Path(tempfile.mkdtemp(prefix="flowgrpo-plain-runs-"))
 atexit.register(shutil.rmtree, _PLAIN_CACHE, True)
