@@ -49,18 +49,22 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-def launch_ranks():
+def launch_ranks(tmp_path_factory):
     """`launch_ranks(script, args, world)`: run scripts/<script> in `world` processes (gloo, as torchrun
     would set them up) and fail with the stderr tail of a rank that exits non-zero; with `check=False`,
-    return every rank's (exit code, stderr) instead."""
-    import subprocess
-    import sys
+    return every rank's (exit code, stderr) instead. The ranks are forks of a server that imported the libraries
+    once (tests/rank_process.py): each is still its own process running the real script."""
     from pathlib import Path
 
+    import rank_process
+
     root = Path(__file__).resolve().parents[1]
+    logs = tmp_path_factory.mktemp("rank-stderr")
+    rank_process.start_server()  # now, before a test sets a launch's environment: the imports see the plain one
 
     def launch(script: str, args: list[str], world: int, timeout: float = 600, check: bool = True):
         port = _free_port()
+        ctx = rank_process.context()
         procs = []
         for rank in range(world):
             env = {
@@ -73,13 +77,21 @@ def launch_ranks():
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port),
             }
-            cmd = [sys.executable, str(root / "scripts" / script), *args]
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+            stderr = logs / f"{port}-{rank}.txt"
+            target_args = (str(root / "scripts" / script), list(args), env, str(stderr))
+            proc = ctx.Process(target=rank_process.run_script, args=target_args, daemon=False)
+            proc.start()
+            procs.append((proc, stderr))
         results = []
-        for p in procs:
-            _, err = p.communicate(timeout=timeout)
-            results.append((p.returncode, err.decode()))
-            assert p.returncode == 0 or not check, err.decode()[-3000:]
+        for proc, stderr in procs:
+            proc.join(timeout)
+            if proc.is_alive():
+                for other, _ in procs:
+                    other.kill()
+                raise TimeoutError(f"{script} {args}: a rank ran past {timeout} s")
+            err = stderr.read_text(errors="replace") if stderr.exists() else ""
+            results.append((proc.exitcode, err))
+            assert proc.exitcode == 0 or not check, err[-3000:]
         return results
 
     return launch

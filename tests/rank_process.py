@@ -1,0 +1,55 @@
+"""The ranks of `launch_ranks`, forked from multiprocessing's fork server instead of started from scratch.
+
+Each rank of a test launch used to be a new interpreter that spent ~4 s of its ~7 s importing torch, diffusers,
+transformers and peft. The fork server (one per test process) imports them once; every rank is then a fork of
+it that runs the real script (`runpy`, as `python scripts/<script>` would) in its own OS process, with its own
+environment, gloo process group and exit code. What stays a plain `python` process: `accelerate launch` runs,
+the SIGKILL tests and every other subprocess of the tests.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from multiprocessing import forkserver
+import os
+import runpy
+import sys
+
+# Imported once by the fork server: what both trainers import before their first step. Not DeepSpeed: its import
+# sets up an accelerator and logging, which only the ZeRO launches should see.
+PRELOAD = [
+    "torchvision_cpu_hook",
+    "flowgrpo",
+    "flowgrpo.cli",
+    "flowgrpo.t2i",
+    "flowgrpo.text",
+    "diffusers",
+    "transformers",
+    "peft",
+    "accelerate",
+    "rank_process",
+]
+
+
+def context() -> multiprocessing.context.ForkServerContext:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def start_server() -> None:
+    """Start the fork server (once per test process) with the environment the test process has now."""
+    context()
+    forkserver.ensure_running()
+
+
+def run_script(script: str, args: list[str], env: dict[str, str], stderr_path: str) -> None:
+    """The body of one rank: `python <script> <args>` with `env`, stdout discarded, stderr into a file."""
+    os.environ.clear()
+    os.environ.update(env)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    os.dup2(os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+    sys.argv = [script, *args]
+    runpy.run_path(script, run_name="__main__")  # the script's own sys.exit(code) ends the rank with its code
