@@ -77,6 +77,7 @@ class JudgeHandler(BaseHTTPRequestHandler):
         pass
 
     def _send(self, status: int, body: bytes) -> None:
+        self._leave()  # done before the reply goes out: a client holding the reply may send its next request
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
@@ -98,6 +99,7 @@ class JudgeHandler(BaseHTTPRequestHandler):
             srv.in_flight += 1
             srv.max_in_flight = max(srv.max_in_flight, srv.in_flight)
             n_posts = len(srv.bodies)
+        self._counted = True
         try:
             if srv.delay:
                 time.sleep(srv.delay)
@@ -120,8 +122,14 @@ class JudgeHandler(BaseHTTPRequestHandler):
                 }
                 self._send(200, json.dumps(reply).encode())
         finally:
-            with srv.lock:
-                srv.in_flight -= 1
+            self._leave()
+
+    def _leave(self) -> None:
+        """This request stops counting as in flight (once)."""
+        if getattr(self, "_counted", False):
+            self._counted = False
+            with self.server.lock:
+                self.server.in_flight -= 1
 
 
 @contextmanager
