@@ -54,17 +54,14 @@ def launch_ranks(tmp_path_factory):
     would set them up) and fail with the stderr tail of a rank that exits non-zero; with `check=False`,
     return every rank's (exit code, stderr) instead. The ranks are forks of a server that imported the libraries
     once (tests/rank_process.py): each is still its own process running the real script."""
-    from pathlib import Path
-
     import rank_process
 
     root = Path(__file__).resolve().parents[1]
     logs = tmp_path_factory.mktemp("rank-stderr")
-    rank_process.start_server()  # now, before a test sets a launch's environment: the imports see the plain one
+    ctx = rank_process.start_server()  # now, before a test sets a launch's environment: the imports see the plain one
 
     def launch(script: str, args: list[str], world: int, timeout: float = 600, check: bool = True):
         port = _free_port()
-        ctx = rank_process.context()
         procs = []
         for rank in range(world):
             env = {

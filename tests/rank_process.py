@@ -31,16 +31,13 @@ PRELOAD = [
 ]
 
 
-def context() -> multiprocessing.context.ForkServerContext:
+def start_server() -> multiprocessing.context.ForkServerContext:
+    """The fork server's context; the server starts (once per test process) with the environment the test
+    process has now."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
-    return ctx
-
-
-def start_server() -> None:
-    """Start the fork server (once per test process) with the environment the test process has now."""
-    context()
     forkserver.ensure_running()
+    return ctx
 
 
 def run_script(script: str, args: list[str], env: dict[str, str], stderr_path: str) -> None:
