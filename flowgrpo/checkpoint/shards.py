@@ -6,22 +6,20 @@ torch.distributed.checkpoint does the work: each rank writes only its shards, as
 headers record each shard's offsets (HuggingFaceStorageWriter: no pickled metadata file), and a reader takes the
 slices its own shards cover, so a checkpoint saved on 2 ranks resumes on 1 or 8. Keys: "tensors.<group>/<name>"
 for the trainer's tensor groups and "optim.<name>/<index>.<key>" for optimizer states (the checkpoint's own
-naming). Everything else (step, RNG, schedules, plain tensors) stays in rank 0's files (flowgrpo.checkpoint).
+naming). Everything else (step, RNG, schedules, plain tensors) stays in rank 0's files (flowgrpo.checkpoint.format).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import CheckpointError, is_shard, local_part
-
-if TYPE_CHECKING:
-    from .loop import CheckpointParts
+from .format import CheckpointError
+from .parts import CheckpointParts, is_shard, local_part
 
 
 def _no_dist() -> bool:

@@ -1,4 +1,5 @@
-"""Atomic checkpoints and exact resume, with no pickle: tensors in safetensors, everything else in JSON.
+"""The checkpoint format: one atomic, verified folder per step, with no pickle (tensors in safetensors,
+everything else in JSON); saving, listing, verifying and loading it.
 
 A checkpoint is a folder `step_00000012/` under a root folder:
 
@@ -12,7 +13,7 @@ A checkpoint is a folder `step_00000012/` under a root folder:
     config.json                   the resolved run config (optional)
     sharded/                      a sharded (FSDP2) run's weights, EMA and optimizer moments: every rank
                                   writes its own shards (torch.distributed.checkpoint, safetensors files),
-                                  read back on any number of ranks (flowgrpo.run.shards)
+                                  read back on any number of ranks (flowgrpo.checkpoint.shards)
 
 Before a resume trusts a checkpoint, `latest_checkpoint(root, verify=True)` checks those sizes and
 hashes; a damaged checkpoint (truncated by a full disk, altered) is skipped with a warning naming it and
@@ -28,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import shutil
 import tempfile
 import warnings
@@ -36,25 +36,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from .atomic_io import TensorInJSONError, fsync_dir, fsync_file, from_json, to_json
+from ..atomic_io import TensorInJSONError, fsync_dir, fsync_file, from_json, to_json
+from .parts import is_shard
+from .rng import rng_state, set_rng_state
 
 FORMAT_VERSION = 1
 _PREFIX = "step_"
 SHARDED = "sharded"  # the subfolder of a sharded (FSDP2) run's checkpoint: every rank's shards
-
-
-def is_shard(t: Any) -> bool:
-    """A tensor FSDP2 shards over the ranks (a DTensor): written by every rank, not by rank 0's files."""
-    return type(t).__name__ == "DTensor"
-
-
-def local_part(t: Any) -> Any:
-    """This rank's shard of a sharded tensor; a plain tensor as it is."""
-    return t.to_local() if is_shard(t) else t
 
 
 class CheckpointError(RuntimeError):
@@ -158,32 +149,6 @@ def _optimizer_state(tensors: Mapping[str, torch.Tensor], meta: dict) -> dict:
     for idx, slots in meta["scalars"].items():
         state.setdefault(int(idx), {}).update(slots)
     return {"state": state, "param_groups": meta["param_groups"]}
-
-
-# --- RNG ----------------------------------------------------------------------------------------
-
-
-def rng_state() -> tuple[dict[str, torch.Tensor], dict]:
-    """Every global RNG the training loop may touch: torch (CPU, CUDA), python `random`, numpy."""
-    tensors = {"torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"torch_cuda_{i}"] = s
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    tensors["numpy_keys"] = torch.from_numpy(np.asarray(keys, dtype=np.uint32).astype(np.int64))
-    scalars = {"python": random.getstate(), "numpy": [kind, int(pos), int(has_gauss), float(cached)]}
-    return tensors, scalars
-
-
-def set_rng_state(tensors: Mapping[str, torch.Tensor], scalars: Mapping[str, Any]) -> None:
-    torch.set_rng_state(tensors["torch_cpu"])
-    cuda = sorted(k for k in tensors if k.startswith("torch_cuda_"))
-    if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([tensors[k] for k in cuda])
-    version, internal, gauss = scalars["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, pos, has_gauss, cached = scalars["numpy"]
-    np.random.set_state((kind, tensors["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
 # --- the checkpoint -----------------------------------------------------------------------------
@@ -400,7 +365,7 @@ def load_checkpoint(
     """Read a checkpoint folder; load optimizer and scheduler states in place; restore the global RNGs.
 
     Tensor groups are returned on CPU; the caller loads them into its modules (see `load_into`). A sharded
-    run passes the `sharded/` tensors it read (flowgrpo.run.shards), keyed "tensors.<group>/<name>" and
+    run passes the `sharded/` tensors it read (flowgrpo.checkpoint.shards), keyed "tensors.<group>/<name>" and
     "optim.<name>/<index>.<key>": they join the groups and optimizer states.
     """
     path = Path(path)
@@ -437,40 +402,6 @@ def load_checkpoint(
         set_rng_state(_load_tensors(path / "rng.safetensors"), raw["rng"])
     config = _read_json(path / "config.json") if (path / "config.json").is_file() else None
     return Checkpoint(path, int(raw["step"]), tensors, raw["state"], config, raw)
-
-
-# settings that never change what a resumed run computes
-_ALWAYS_FREE = {"resume", "progress", "num_threads", "guards"}
-_MISSING = object()
-
-
-def _config_diff(now: Any, saved: Any, path: str = "") -> list[tuple[str, Any, Any]]:
-    """(dotted key, saved value, new value) for every leaf that differs."""
-    if isinstance(now, Mapping) and isinstance(saved, Mapping):
-        out = []
-        for k in sorted(set(now) | set(saved)):
-            out += _config_diff(now.get(k, _MISSING), saved.get(k, _MISSING), f"{path}.{k}" if path else str(k))
-        return out
-    return [] if now == saved else [(path, saved, now)]
-
-
-def check_resume_config(now: Mapping[str, Any], saved: Optional[Mapping[str, Any]], free: set[str]) -> None:
-    """Refuse (ConfigError, naming each key and both values) a resume whose config differs from the checkpoint's
-    outside the top-level keys in `free`: the checkpoint's optimizer and schedule would silently win over the
-    new value (a resumed `optim.lr=0.001` kept training at the saved 0.03)."""
-    if saved is None:
-        return
-    from .config import ConfigError
-
-    changed = [d for d in _config_diff(dict(now), dict(saved)) if d[0].split(".")[0] not in free | _ALWAYS_FREE]
-    if changed:
-        show = lambda v: "(unset)" if v is _MISSING else repr(v)  # noqa: E731
-        listed = "; ".join(f"{key}: {show(old)} in the checkpoint, {show(new)} now" for key, old, new in changed[:4])
-        more = f" (and {len(changed) - 4} more)" if len(changed) > 4 else ""
-        raise ConfigError(
-            f"resume: {listed}{more}. A resumed run keeps its settings: drop these overrides, or "
-            "start a new run (another output_dir)"
-        )
 
 
 def load_into(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor], *, strict_keys: bool = True) -> None:

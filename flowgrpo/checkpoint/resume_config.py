@@ -1,0 +1,43 @@
+"""A resume keeps the settings it was saved with: a changed setting is refused, in one line naming each key.
+
+A checkpoint's optimizer and schedule would otherwise silently win over the new value (a resumed
+`optim.lr=0.001` kept training at the saved 0.03). Each trainer names the top-level keys that may change
+(run length, output, ...); `_ALWAYS_FREE` never change what a resumed run computes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+from ..config import ConfigError
+
+# settings that never change what a resumed run computes
+_ALWAYS_FREE = {"resume", "progress", "num_threads", "guards"}
+_MISSING = object()
+
+
+def _config_diff(now: Any, saved: Any, path: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted key, saved value, new value) for every leaf that differs."""
+    if isinstance(now, Mapping) and isinstance(saved, Mapping):
+        out = []
+        for k in sorted(set(now) | set(saved)):
+            out += _config_diff(now.get(k, _MISSING), saved.get(k, _MISSING), f"{path}.{k}" if path else str(k))
+        return out
+    return [] if now == saved else [(path, saved, now)]
+
+
+def check_resume_config(now: Mapping[str, Any], saved: Optional[Mapping[str, Any]], free: set[str]) -> None:
+    """Refuse (ConfigError, naming each key and both values) a resume whose config differs from the checkpoint's
+    outside the top-level keys in `free`: the checkpoint's optimizer and schedule would silently win over the
+    new value (a resumed `optim.lr=0.001` kept training at the saved 0.03)."""
+    if saved is None:
+        return
+    changed = [d for d in _config_diff(dict(now), dict(saved)) if d[0].split(".")[0] not in free | _ALWAYS_FREE]
+    if changed:
+        show = lambda v: "(unset)" if v is _MISSING else repr(v)  # noqa: E731
+        listed = "; ".join(f"{key}: {show(old)} in the checkpoint, {show(new)} now" for key, old, new in changed[:4])
+        more = f" (and {len(changed) - 4} more)" if len(changed) > 4 else ""
+        raise ConfigError(
+            f"resume: {listed}{more}. A resumed run keeps its settings: drop these overrides, or "
+            "start a new run (another output_dir)"
+        )
