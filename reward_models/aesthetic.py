@@ -11,13 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .base import Pretrained, Scorer
-from .clip_scores import CLIP_L14
-from .encoders import ClipBackbone, load_clip
-from .registry import register
+from .encoders import BackboneSettings, ClipBackbone, EmbeddingScorer
+from .registry import register, with_settings
 
 AESTHETIC_HIDDEN = (1024, 128, 64, 16)
 AESTHETIC_DROPOUT = (0.2, 0.2, 0.1)
@@ -73,19 +70,17 @@ def convert_aesthetic_pth(src: str | Path, dst: str | Path) -> None:
     head.save(dst)
 
 
-class AestheticScorer(Pretrained, Scorer):
+class AestheticScorer(EmbeddingScorer):
     """LAION aesthetic predictor: MLP on the L2-normalised CLIP image embedding."""
 
     name = "aesthetic"
-    differentiable = True
 
     def __init__(self, backbone: ClipBackbone, head: AestheticHead, *, batch_size: int = 32, key: str | None = None):
         if head.input_dim != backbone.embed_dim:
             raise ValueError(
                 f"aesthetic head expects {head.input_dim}-d embeddings, the CLIP projects to {backbone.embed_dim}"
             )
-        super().__init__(batch_size=batch_size, key=key)
-        self.backbone = backbone
+        super().__init__(backbone, batch_size=batch_size, key=key)
         self.head = head.eval().requires_grad_(False).to(device=backbone.device, dtype=torch.float32)
 
     def to(self, device=None, dtype=None):
@@ -94,43 +89,27 @@ class AestheticScorer(Pretrained, Scorer):
         return self
 
     def score_batch(self, images, prompts, metadata):
-        embeds = F.normalize(self.backbone.image_embeds(images).float(), dim=-1)
+        embeds = self.backbone.image_features(images)
         with torch.set_grad_enabled(embeds.requires_grad):
             return {self.key: self.head(embeds).squeeze(-1)}
 
 
 @register("aesthetic")
+@with_settings(BackboneSettings)
 def build_aesthetic(
-    *,
-    head: str | None = None,
-    model: str = CLIP_L14,
-    processor: str | None = None,
-    tiny: bool = False,
-    device: str = "auto",
-    dtype: str = "float32",
-    preprocess: str = "tensor",
-    batch_size: int = 32,
-    local_files_only: bool = False,
-    key: str | None = None,
+    *, head: str | None = None, batch_size: int = 32, key: str | None = None, **backbone
 ) -> AestheticScorer:
     """LAION aesthetic predictor v2 on CLIP-L/14; `head` is a safetensors file."""
-    if head is None and not tiny:  # checked before any download
+    settings = BackboneSettings(**backbone)
+    if head is None and not settings.tiny:  # checked before any download
         raise ValueError(
             "aesthetic needs head=<path to the head as .safetensors>; convert the released "
             "sac+logos+ava1-l14-linearMSE.pth with reward_models.aesthetic.convert_aesthetic_pth"
         )
     mlp = AestheticHead.from_file(head) if head is not None else None
-    backbone = load_clip(
-        model,
-        processor=processor,
-        tiny=tiny,
-        local_files_only=local_files_only,
-        device=device,
-        dtype=dtype,
-        preprocess=preprocess,
-    )
+    clip = settings.load_clip()
     if mlp is None:  # tiny: a random head sized to the tiny CLIP
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            mlp = AestheticHead(input_dim=backbone.embed_dim)
-    return AestheticScorer(backbone, mlp, batch_size=batch_size, key=key)
+            mlp = AestheticHead(input_dim=clip.embed_dim)
+    return AestheticScorer(clip, mlp, batch_size=batch_size, key=key)

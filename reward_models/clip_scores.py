@@ -14,14 +14,10 @@ pickscore: exp(logit_scale) * cos(image, text) with the PickScore_v1 CLIP-H/14 a
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from .encoders import CLIP_L14  # noqa: F401  (the default CLIP; importable from here as before)
+from .encoders import BackboneSettings, ClipBackbone, EmbeddingScorer
+from .registry import register, with_settings
 
-from .base import Pretrained, Scorer
-from .encoders import ClipBackbone, load_clip
-from .registry import register
-
-CLIP_L14 = "openai/clip-vit-large-patch14"
 PICKSCORE_V1 = "yuvalkirstain/PickScore_v1"
 CLIP_H14_LAION = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
 
@@ -32,30 +28,11 @@ CLIPSCORE_VARIANTS = {
 }
 
 
-def text_image_cosine(backbone: ClipBackbone, images, prompts: list[str]) -> torch.Tensor:
-    """cos(image_i, text_i) [B] in float32 (bf16 embeddings are upcast before normalising)."""
-    image = F.normalize(backbone.image_embeds(images).float(), dim=-1)
-    text = F.normalize(backbone.text_embeds(prompts).float(), dim=-1)
-    return (image * text).sum(-1)
-
-
-class _ClipTextImage(Pretrained, Scorer):
-    requires_prompts = True
-    differentiable = True
-
-    def __init__(self, backbone: ClipBackbone, *, batch_size: int = 32, key: str | None = None):
-        super().__init__(batch_size=batch_size, key=key)
-        self.backbone = backbone
-
-    def to(self, device=None, dtype=None):
-        self.backbone.to(device, dtype)
-        return self
-
-
-class ClipScore(_ClipTextImage):
+class ClipScore(EmbeddingScorer):
     """CLIP text-image cosine with a named published scaling."""
 
     name = "clip_score"
+    requires_prompts = True
 
     def __init__(self, backbone: ClipBackbone, *, variant: str = "cosine", prompt_prefix: str = "", **kwargs):
         if variant not in CLIPSCORE_VARIANTS:
@@ -64,69 +41,33 @@ class ClipScore(_ClipTextImage):
         self.variant, self.prompt_prefix = variant, prompt_prefix
 
     def score_batch(self, images, prompts, metadata):
-        cos = text_image_cosine(self.backbone, images, [self.prompt_prefix + p for p in prompts])
+        cos = self.text_image_cosine(images, [self.prompt_prefix + p for p in prompts])
         return {self.key: CLIPSCORE_VARIANTS[self.variant](cos)}
 
 
-class PickScore(_ClipTextImage):
+class PickScore(EmbeddingScorer):
     """exp(logit_scale) * cos(image, text) on PickScore_v1."""
 
     name = "pickscore"
+    requires_prompts = True
 
     def score_batch(self, images, prompts, metadata):
-        cos = text_image_cosine(self.backbone, images, prompts)
+        cos = self.text_image_cosine(images, prompts)
         return {self.key: self.backbone.logit_scale() * cos}
 
 
 @register("clip_score")
+@with_settings(BackboneSettings)
 def build_clip_score(
-    *,
-    model: str = CLIP_L14,
-    processor: str | None = None,
-    variant: str = "cosine",
-    prompt_prefix: str = "",
-    tiny: bool = False,
-    device: str = "auto",
-    dtype: str = "float32",
-    preprocess: str = "tensor",
-    batch_size: int = 32,
-    local_files_only: bool = False,
-    key: str | None = None,
+    *, variant: str = "cosine", prompt_prefix: str = "", batch_size: int = 32, key: str | None = None, **backbone
 ) -> ClipScore:
     """CLIP text-image cosine (variants: cosine, hessel, torchmetrics)."""
-    backbone = load_clip(
-        model,
-        processor=processor,
-        tiny=tiny,
-        local_files_only=local_files_only,
-        device=device,
-        dtype=dtype,
-        preprocess=preprocess,
-    )
-    return ClipScore(backbone, variant=variant, prompt_prefix=prompt_prefix, batch_size=batch_size, key=key)
+    clip = BackboneSettings(**backbone).load_clip()
+    return ClipScore(clip, variant=variant, prompt_prefix=prompt_prefix, batch_size=batch_size, key=key)
 
 
 @register("pickscore")
-def build_pickscore(
-    *,
-    model: str = PICKSCORE_V1,
-    processor: str | None = CLIP_H14_LAION,
-    tiny: bool = False,
-    device: str = "auto",
-    dtype: str = "float32",
-    preprocess: str = "tensor",
-    batch_size: int = 32,
-    local_files_only: bool = False,
-    key: str | None = None,
-) -> PickScore:
+@with_settings(BackboneSettings, model=PICKSCORE_V1, processor=CLIP_H14_LAION)
+def build_pickscore(*, batch_size: int = 32, key: str | None = None, **backbone) -> PickScore:
     """PickScore v1: exp(logit_scale) * cos on CLIP-H/14."""
-    backbone = load_clip(
-        model,
-        processor=processor,
-        tiny=tiny,
-        local_files_only=local_files_only,
-        device=device,
-        dtype=dtype,
-        preprocess=preprocess,
-    )
-    return PickScore(backbone, batch_size=batch_size, key=key)
+    return PickScore(BackboneSettings(**backbone).load_clip(), batch_size=batch_size, key=key)

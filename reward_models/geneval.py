@@ -43,8 +43,8 @@ from .geneval_rules import (
     check_geneval_metadata,
     evaluate,
 )
-from .registry import register
-from .remote import RETRY_STATUSES, HttpClient, HTTPStatusError, RemoteRewardError, resolve_token
+from .http_client import HttpClient, HttpSettings, HTTPStatusError, RemoteRewardError
+from .registry import register, with_settings
 from .serving import JSONHandler, LocalJSONServer, ServerLimits
 from .wire import ImageTooLarge, WireError, decode_pngs, encode_png
 
@@ -129,36 +129,18 @@ class GenEvalScorer(Scorer):
         nms_iou: float = NMS_IOU,
         position_margin: float = POSITION_MARGIN,
         on_failure: str = "nan",
-        health_check: bool = True,
-        timeout_s: float = 120.0,
-        max_attempts: int = 4,
-        backoff_s: float = 0.5,
-        max_backoff_s: float = 10.0,
-        deadline_s: float | None = None,
-        retry_statuses: Sequence[int] = RETRY_STATUSES,
         batch_size: int = 16,
         key: str | None = None,
-        seed: int | None = None,
-        token: str | None = None,
+        **http,
     ):
+        """`http`: the HttpSettings fields (timeout_s, max_attempts, token, health_check, ...)."""
         super().__init__(batch_size=batch_size, key=key)
         if on_failure not in FAILURE_POLICIES:
             raise ValueError(f"on_failure must be one of {FAILURE_POLICIES}, got {on_failure!r}")
         if not 0 < nms_iou <= 1 or int(max_objects) < 1 or position_margin < 0:
             raise ValueError("need 0 < nms_iou <= 1, max_objects >= 1 and position_margin >= 0")
-        self.client = HttpClient(
-            url,
-            timeout_s=timeout_s,
-            max_attempts=max_attempts,
-            backoff_s=backoff_s,
-            max_backoff_s=max_backoff_s,
-            deadline_s=deadline_s,
-            retry_statuses=retry_statuses,
-            seed=seed,
-            counters=self.counters,
-            what="detector server",
-            token=resolve_token(token),
-        )
+        settings = HttpSettings(url, **http)
+        self.client = HttpClient(settings, counters=self.counters, what="detector server")
         self.url = self.client.url
         self.metadata_key = metadata_key
         self.metadata_keys = (metadata_key,)
@@ -169,23 +151,15 @@ class GenEvalScorer(Scorer):
             nms_iou=float(nms_iou),
             position_margin=float(position_margin),
         )
-        self.on_failure, self.health_check = on_failure, health_check
+        self.on_failure, self.health_check = on_failure, settings.health_check
         self.server_info: dict | None = None
         self.last_reasons: list[list[str] | None] = []
 
     def health(self) -> dict:
         """GET /health; raises RemoteRewardError unless the server says it is ok (checked once,
         before the first request: a detector that is down at start-up is a setup error)."""
-        try:
-            info = self.client.get_json("/health")
-        except HTTPStatusError as e:
-            raise RemoteRewardError(f"detector server {self.url}/health: {e}") from None
-        except ValueError as e:
-            raise RemoteRewardError(f"detector server {self.url}/health answered non-JSON: {e}") from None
-        if not isinstance(info, dict) or info.get("status") != "ok":
-            raise RemoteRewardError(f"detector server {self.url}/health is not ok: {str(info)[:200]}")
-        self.server_info = info
-        return info
+        self.server_info = self.client.health()
+        return self.server_info
 
     def __call__(self, images, prompts=None, metadata=None):
         if self.health_check and self.server_info is None:
@@ -237,9 +211,9 @@ class GenEvalScorer(Scorer):
 
 
 @register("geneval")
+@with_settings(HttpSettings)
 def build_geneval(
     *,
-    url: str,
     metadata_key: str = "geneval",
     threshold: float = THRESHOLD,
     counting_threshold: float = COUNTING_THRESHOLD,
@@ -247,22 +221,13 @@ def build_geneval(
     nms_iou: float = NMS_IOU,
     position_margin: float = POSITION_MARGIN,
     on_failure: str = "nan",
-    health_check: bool = True,
-    timeout_s: float = 120.0,
-    max_attempts: int = 4,
-    backoff_s: float = 0.5,
-    max_backoff_s: float = 10.0,
-    deadline_s: float | None = None,
-    retry_statuses: Sequence[int] = RETRY_STATUSES,
     batch_size: int = 16,
     key: str | None = None,
-    seed: int | None = None,
-    token: str | None = None,
+    **http,
 ) -> GenEvalScorer:
     """GenEval rules (counts, colours, positions) over a remote detector: partial score, strict, correct.
     `token`: the detector server's bearer token, or `env:NAME`."""
     return GenEvalScorer(
-        url,
         metadata_key=metadata_key,
         threshold=threshold,
         counting_threshold=counting_threshold,
@@ -270,17 +235,9 @@ def build_geneval(
         nms_iou=nms_iou,
         position_margin=position_margin,
         on_failure=on_failure,
-        health_check=health_check,
-        timeout_s=timeout_s,
-        max_attempts=max_attempts,
-        backoff_s=backoff_s,
-        max_backoff_s=max_backoff_s,
-        deadline_s=deadline_s,
-        retry_statuses=retry_statuses,
         batch_size=batch_size,
         key=key,
-        seed=seed,
-        token=token,
+        **http,
     )
 
 

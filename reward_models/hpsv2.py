@@ -32,10 +32,8 @@ import torch
 import torch.nn.functional as F
 
 import torchvision_cpu_hook  # noqa: F401  (torchvision on a CPU torch, before open_clip)
-from .base import Pretrained, Scorer
-from .encoders import PREPROCESS_MODES
+from .encoders import Backbone, EmbeddingScorer
 from .images import ImageBatch
-from .placement import ModelPlacement
 from .state_dicts import read_state_dict
 from .preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from .registry import register
@@ -160,7 +158,7 @@ class _DropRecords(logging.Filter):
         return not str(record.msg).startswith(self.prefix)
 
 
-class OpenClipBackbone(ModelPlacement):
+class OpenClipBackbone(Backbone):
     """An open_clip CLIP + its tokenizer with HPS preprocessing, one device and one dtype."""
 
     def __init__(
@@ -173,14 +171,11 @@ class OpenClipBackbone(ModelPlacement):
         dtype="float32",
         preprocess: str = "tensor",
     ):
-        if preprocess not in PREPROCESS_MODES:
-            raise ValueError(f"preprocess must be one of {PREPROCESS_MODES}, got {preprocess!r}")
-        self.model = model.eval().requires_grad_(False)  # frozen: gradients go to pixels only
-        self.tokenizer, self.preprocess = tokenizer, preprocess
+        self.tokenizer = tokenizer
         size = image_size or model.visual.image_size
         self.image_size = int(size[0] if isinstance(size, (tuple, list)) else size)
         self._reference = None
-        self.to(device, dtype)
+        super().__init__(model, device=device, dtype=dtype, preprocess=preprocess)
 
     @classmethod
     def build(cls, arch: str, state: dict[str, torch.Tensor] | None = None, *, seed: int = 0, **kwargs):
@@ -207,57 +202,33 @@ class OpenClipBackbone(ModelPlacement):
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().float().cpu().contiguous() for k, v in self.model.state_dict().items()}
 
-    def pixel_values(self, images: ImageBatch) -> torch.Tensor:
-        if self.preprocess == "pil":
-            if images.requires_grad:
-                raise ValueError("preprocess='pil' goes through uint8 and is not differentiable; use 'tensor'")
-            if self._reference is None:
-                self._reference = hps_reference_transform(self.image_size)
-            pixels = torch.stack([self._reference(im) for im in images.pil()])
-        elif images.uniform:
-            pixels = hps_preprocess_tensor(images.tensor().to(self.device, torch.float32), self.image_size)
-        else:
-            pixels = torch.cat(
-                [
-                    hps_preprocess_tensor(t[None].to(self.device, torch.float32), self.image_size)
-                    for t in images.tensors()
-                ]
-            )
-        return pixels.to(device=self.device, dtype=self.dtype)
+    def pil_pixels(self, images: list) -> torch.Tensor:
+        if self._reference is None:
+            self._reference = hps_reference_transform(self.image_size)
+        return torch.stack([self._reference(im) for im in images])
 
-    def image_features(self, images: ImageBatch) -> torch.Tensor:
-        """L2-normalised image features [B, D] in float32."""
-        with torch.set_grad_enabled(images.requires_grad and torch.is_grad_enabled()):
-            return F.normalize(self.model.encode_image(self.pixel_values(images)).float(), dim=-1)
+    def tensor_pixels(self, images: ImageBatch) -> torch.Tensor:
+        if images.uniform:
+            return hps_preprocess_tensor(images.tensor().to(self.device, torch.float32), self.image_size)
+        return torch.cat(
+            [hps_preprocess_tensor(t[None].to(self.device, torch.float32), self.image_size) for t in images.tensors()]
+        )
 
-    @torch.no_grad()
-    def text_features(self, prompts: list[str]) -> torch.Tensor:
-        """L2-normalised text features [B, D] in float32; each distinct prompt is encoded once."""
-        unique = list(dict.fromkeys(prompts))
-        tokens = self.tokenizer(unique).to(self.device)
-        feats = F.normalize(self.model.encode_text(tokens).float(), dim=-1)
-        return feats[torch.tensor([unique.index(p) for p in prompts], device=feats.device)]
+    def encode_image(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.model.encode_image(pixels)
+
+    def encode_text(self, prompts: list[str]) -> torch.Tensor:
+        return self.model.encode_text(self.tokenizer(prompts).to(self.device))
 
 
-class HPSv2(Pretrained, Scorer):
+class HPSv2(EmbeddingScorer):
     """HPSv2 / HPSv2.1: cos(image, text) of the fine-tuned OpenCLIP ViT-H/14, no logit scale."""
 
     name = "hpsv2"
     requires_prompts = True
-    differentiable = True
-
-    def __init__(self, backbone: OpenClipBackbone, *, batch_size: int = 32, key: str | None = None):
-        super().__init__(batch_size=batch_size, key=key)
-        self.backbone = backbone
-
-    def to(self, device=None, dtype=None):
-        self.backbone.to(device, dtype)
-        return self
 
     def score_batch(self, images, prompts, metadata):
-        image = self.backbone.image_features(images)
-        text = self.backbone.text_features(prompts)
-        return {self.key: (image * text).sum(-1)}
+        return {self.key: self.text_image_cosine(images, prompts)}
 
 
 @register("hpsv2")

@@ -1,9 +1,10 @@
 """The wire side of the VLM judges: chat requests with images to an OpenAI-compatible endpoint.
 
 POST {url}/v1/chat/completions with images as base64 data URLs (JPEG q=95 by default, PNG
-selectable), on the shared reward_models.remote.HttpClient (retries, per-attempt timeouts, an
-optional deadline), with at most `concurrency` requests in flight. The scorers that build the
-prompts and read the verdicts live in reward_models.vlm_judge.
+selectable), on the shared reward_models.http_client.HttpClient (retries, per-attempt timeouts, an
+optional deadline), with at most `concurrency` requests in flight. A judge's settings are
+HttpSettings plus JudgeSettings. The scorers that build the prompts and read the verdicts live in
+reward_models.vlm_judge.
 """
 
 from __future__ import annotations
@@ -14,15 +15,34 @@ import json
 import logging
 import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 from PIL import Image
 
-from .remote import BAD_RESPONSE_POLICIES, RETRY_STATUSES, HttpClient, HTTPStatusError, RemoteRewardError, resolve_token
+from .http_client import HttpClient, HttpSettings, HTTPStatusError, RemoteRewardError
+from .remote import BAD_RESPONSE_POLICIES
 
 log = logging.getLogger(__name__)
 
 IMAGE_FORMATS = ("jpeg", "png")
+
+
+@dataclass(frozen=True)
+class JudgeSettings:
+    """What a VLM judge's config sets besides HttpSettings: the served model, how images travel, the chat
+    request, how many requests run at once and what an unusable reply gives."""
+
+    model: str | None = None  # the served model name; None: the first one GET /v1/models lists
+    api_key: str | None = None  # OpenAI's name for the bearer token (HttpSettings.token), a value or env:NAME
+    concurrency: int = 16
+    max_tokens: int = 1024
+    temperature: float = 0.0
+    image_format: str = "jpeg"
+    jpeg_quality: int = 95
+    max_side: int | None = None
+    request_params: Mapping[str, Any] | None = None  # merged into every request body
+    on_bad_response: str = "nan"
 
 
 def image_data_url(
@@ -57,6 +77,12 @@ def reply_text(payload: Any) -> str:
     return content
 
 
+def _bearer(api_key: str | None, token: str | None) -> str | None:
+    if api_key and token and api_key != token:
+        raise ValueError("set `token` or `api_key` (the same bearer token), not two different ones")
+    return api_key or token
+
+
 def _base_url(url: str) -> str:
     """Accept http://host:port, .../v1 or .../v1/chat/completions; return .../v1."""
     url = url.rstrip("/").removesuffix("/chat/completions")
@@ -66,30 +92,13 @@ def _base_url(url: str) -> str:
 class JudgeClient:
     """Chat requests with images, many at a time, on the shared HttpClient."""
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        model: str | None = None,
-        api_key: str | None = None,
-        counters=None,
-        timeout_s: float = 120.0,
-        max_attempts: int = 4,
-        backoff_s: float = 0.5,
-        max_backoff_s: float = 10.0,
-        deadline_s: float | None = None,
-        retry_statuses: Sequence[int] = RETRY_STATUSES,
-        concurrency: int = 16,
-        max_tokens: int = 1024,
-        temperature: float = 0.0,
-        image_format: str = "jpeg",
-        jpeg_quality: int = 95,
-        max_side: int | None = None,
-        request_params: Mapping[str, Any] | None = None,
-        on_bad_response: str = "nan",
-        health_check: bool = True,
-        seed: int | None = None,
-    ):
+    def __init__(self, url: str, *, counters=None, **settings: Any):
+        """`settings`: the HttpSettings and JudgeSettings fields."""
+        http = HttpSettings.take(url, settings)
+        judge = JudgeSettings(**settings)
+        token = _bearer(judge.api_key, http.token)
+        model, concurrency, max_side = judge.model, judge.concurrency, judge.max_side
+        on_bad_response, image_format, health_check = judge.on_bad_response, judge.image_format, http.health_check
         if on_bad_response not in BAD_RESPONSE_POLICIES:
             raise ValueError(f"on_bad_response must be one of {BAD_RESPONSE_POLICIES}, got {on_bad_response!r}")
         if image_format not in IMAGE_FORMATS:
@@ -103,26 +112,13 @@ class JudgeClient:
                 "set `model` (the served model name) when health_check is off; the health check "
                 "would otherwise pick the first model the server lists"
             )
-        # api_key is the judge server's bearer token (a value, or env:NAME)
-        self.http = HttpClient(
-            _base_url(url),
-            timeout_s=timeout_s,
-            max_attempts=max_attempts,
-            backoff_s=backoff_s,
-            max_backoff_s=max_backoff_s,
-            deadline_s=deadline_s,
-            retry_statuses=retry_statuses,
-            seed=seed,
-            counters=counters,
-            what="VLM judge",
-            token=resolve_token(api_key),
-        )
+        self.http = HttpClient(replace(http, url=_base_url(http.url), token=token), counters=counters, what="VLM judge")
         self.model = model
         self.concurrency = int(concurrency)
-        self.max_tokens, self.temperature = int(max_tokens), float(temperature)
-        self.image_format, self.jpeg_quality = image_format, int(jpeg_quality)
+        self.max_tokens, self.temperature = int(judge.max_tokens), float(judge.temperature)
+        self.image_format, self.jpeg_quality = image_format, int(judge.jpeg_quality)
         self.max_side = None if max_side is None else int(max_side)
-        self.request_params = dict(request_params or {})
+        self.request_params = dict(judge.request_params or {})
         self.on_bad_response = on_bad_response
         self.health_check = health_check
         self.served_models: list[str] | None = None

@@ -6,7 +6,7 @@ Two paths, both from one PreprocessSpec:
 - pil (reference): the uint8 round trip through the published PIL processor, as every reference
   implementation does; use it for numbers that must match papers.
 torch's bicubic with antialias=True uses PIL's kernel (a = -0.5), so the two agree up to uint8
-rounding.
+rounding. transformers is imported on use (clip_image_processor_class).
 """
 
 from __future__ import annotations
@@ -61,6 +61,19 @@ def spec_from_processor(processor) -> PreprocessSpec:
     return PreprocessSpec(
         tuple(processor.image_mean), tuple(processor.image_std), shortest_edge=shortest, size=hw, crop=crop_hw
     )
+
+
+def clip_image_processor_class():
+    """The PIL-backed CLIP processor: the published reference, and free of torchvision.
+    transformers 5.x calls it CLIPImageProcessorPil; in 4.x CLIPImageProcessor is PIL-based."""
+    try:
+        from transformers import CLIPImageProcessorPil
+
+        return CLIPImageProcessorPil
+    except ImportError:
+        from transformers import CLIPImageProcessor
+
+        return CLIPImageProcessor
 
 
 def resized_size(height: int, width: int, spec: PreprocessSpec) -> tuple[int, int]:

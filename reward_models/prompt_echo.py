@@ -173,7 +173,7 @@ def tiny_vlm_processor():
     the PIL CLIP image processor at 32 px; 16 patches + 1 = 17 image tokens per image."""
     from transformers import LlavaProcessor, Qwen2Tokenizer
 
-    from .encoders import clip_image_processor_class
+    from .preprocess import clip_image_processor_class
     from .tiny import byte_symbols
 
     tokenizer = Qwen2Tokenizer(

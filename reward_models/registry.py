@@ -1,14 +1,17 @@
 """Scorers by name.
 
 An entry is a factory whose keyword-only parameters are its settings (what a config may set), so
-an unknown setting is an error rather than silently ignored. Duplicate names raise; an unknown name
+an unknown setting is an error rather than silently ignored. Settings that several scorers share
+(HttpSettings, BackboneSettings, ...) are dataclasses that with_settings lists among a factory's own. Duplicate names raise; an unknown name
 gets the valid names and the closest match. Built-in scorer modules are imported on the first
 lookup, which keeps `import reward_models` free of torch and transformers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import functools
 import importlib
 import inspect
 from dataclasses import dataclass, field
@@ -93,6 +96,40 @@ def register(name: str, *, kind: str = "pointwise") -> Callable:
         doc = (inspect.getdoc(factory) or "").split("\n")[0]
         _ENTRIES[name] = Entry(name, factory, kind, doc)
         return factory
+
+    return decorate
+
+
+def with_settings(*sections: type, **defaults: Any) -> Callable:
+    """Factory decorator: the fields of the dataclasses `sections` (e.g. HttpSettings) become keyword-only
+    settings of the factory, set flat in a config entry like its own, and reach its **kwargs; `defaults`
+    override the sections' defaults for this factory. The factory is called with every setting, defaults
+    included."""
+
+    def decorate(factory: Callable) -> Callable:
+        signature = inspect.signature(factory)
+        own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        taken = {p.name for p in own}
+        overrides, added = dict(defaults), []
+        for f in (f for section in sections for f in dataclasses.fields(section)):
+            if f.name in taken:
+                raise ValueError(f"{factory.__name__}: setting '{f.name}' is given twice")
+            taken.add(f.name)
+            default = overrides.pop(f.name, f.default)
+            default = inspect.Parameter.empty if default is dataclasses.MISSING else default
+            added.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default))
+        if overrides:
+            raise ValueError(f"{factory.__name__}: defaults {sorted(overrides)} name no section field")
+        full = signature.replace(parameters=added + own)
+
+        @functools.wraps(factory)
+        def build(**settings: Any):
+            bound = full.bind(**settings)
+            bound.apply_defaults()
+            return factory(**bound.arguments)
+
+        build.__signature__ = full
+        return build
 
     return decorate
 

@@ -10,34 +10,25 @@ Gradients flow through the generated images, never the references.
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from dataclasses import replace
 
-from .base import Pretrained, Scorer
-from .clip_scores import CLIP_L14
-from .encoders import ClipBackbone, Dinov2Backbone, load_clip
+import torch
+
+from .encoders import CLIP_L14, BackboneSettings, ClipBackbone, Dinov2Backbone, EmbeddingScorer
 from .images import ImageBatch, as_image_list
-from .registry import register
+from .registry import register, with_settings
 
 DINOV2_BASE = "facebook/dinov2-base"
 REFERENCE_KEY = "reference_images"
 BACKBONES = ("clip", "dinov2")
 
 
-class ImageSimilarity(Pretrained, Scorer):
+class ImageSimilarity(EmbeddingScorer):
     """max over references of cos(features(image), features(reference))."""
 
     name = "image_similarity"
     metadata_keys = (REFERENCE_KEY,)
-    differentiable = True
-
-    def __init__(self, backbone: ClipBackbone | Dinov2Backbone, *, batch_size: int = 32, key: str | None = None):
-        super().__init__(batch_size=batch_size, key=key)
-        self.backbone = backbone
-
-    def to(self, device=None, dtype=None):
-        self.backbone.to(device, dtype)
-        return self
+    backbone: ClipBackbone | Dinov2Backbone
 
     def _embed(self, images: list) -> torch.Tensor:
         # References are plain images too: embed them in chunks of batch_size, without grad.
@@ -50,11 +41,11 @@ class ImageSimilarity(Pretrained, Scorer):
                     if all(isinstance(p, torch.Tensor) for p in part) and len({tuple(p.shape) for p in part}) == 1
                     else ImageBatch(_as_pil(part))
                 )
-                chunks.append(F.normalize(self.backbone.image_embeds(batch).float(), dim=-1))
+                chunks.append(self.backbone.image_features(batch))
         return torch.cat(chunks)
 
     def score_batch(self, images, prompts, metadata):
-        generated = F.normalize(self.backbone.image_embeds(images).float(), dim=-1)
+        generated = self.backbone.image_features(images)
         refs = [as_image_list(v) for v in metadata[REFERENCE_KEY]]
         flat = [r for rs in refs for r in rs]
         ref_feats = self._embed(flat) if flat else generated.new_zeros(0, generated.shape[1])
@@ -78,41 +69,26 @@ def _as_pil(images: list) -> list:
 
 
 @register("image_similarity")
+@with_settings(BackboneSettings, model=None)
 def build_image_similarity(
-    *,
-    backbone: str = "clip",
-    model: str | None = None,
-    processor: str | None = None,
-    image_size: int | None = None,
-    tiny: bool = False,
-    device: str = "auto",
-    dtype: str = "float32",
-    preprocess: str = "tensor",
-    batch_size: int = 32,
-    local_files_only: bool = False,
-    key: str | None = None,
+    *, backbone: str = "clip", image_size: int | None = None, batch_size: int = 32, key: str | None = None, **load
 ) -> ImageSimilarity:
     """Max cosine similarity to reference images (metadata 'reference_images'), CLIP or DINOv2."""
+    settings = BackboneSettings(**load)
     if backbone == "clip":
         if image_size is not None:
             raise ValueError("image_size applies to backbone='dinov2'; CLIP uses its processor's sizes")
-        net = load_clip(
-            model or CLIP_L14,
-            processor=processor,
-            tiny=tiny,
-            local_files_only=local_files_only,
-            device=device,
-            dtype=dtype,
-            preprocess=preprocess,
-        )
+        net = replace(settings, model=settings.model or CLIP_L14).load_clip()
     elif backbone == "dinov2":
-        if preprocess != "tensor" or processor is not None:
+        if settings.preprocess != "tensor" or settings.processor is not None:
             raise ValueError("backbone='dinov2' has only the tensor preprocessing (Adv-GRPO recipe)")
-        kw = dict(image_size=image_size, device=device, dtype=dtype)
+        kw = dict(image_size=image_size, device=settings.device, dtype=settings.dtype)
         net = (
             Dinov2Backbone.tiny(**kw)
-            if tiny
-            else Dinov2Backbone.from_pretrained(model or DINOV2_BASE, local_files_only=local_files_only, **kw)
+            if settings.tiny
+            else Dinov2Backbone.from_pretrained(
+                settings.model or DINOV2_BASE, local_files_only=settings.local_files_only, **kw
+            )
         )
     else:
         raise ValueError(f"backbone must be one of {BACKBONES}, got {backbone!r}")

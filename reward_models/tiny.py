@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .preprocess import clip_image_processor_class
+
 TINY_IMAGE_SIZE = 32
 TINY_TEXT_LENGTH = 16
 
@@ -40,8 +42,6 @@ def tiny_clip_tokenizer(max_length: int = TINY_TEXT_LENGTH):
 
 def tiny_clip_processor(image_size: int = TINY_IMAGE_SIZE):
     """A CLIP image processor with the published statistics at a tiny size."""
-    from .encoders import clip_image_processor_class
-
     return clip_image_processor_class()(
         size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
     )

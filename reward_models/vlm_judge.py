@@ -20,7 +20,8 @@ vlm_judge_pairwise: P(a beats b) from a UnifiedReward-Think style request (Pref-
     [unverified wording]. A judge fine-tuned on its own prompt should get that prompt via
     `template` for parity.
 
-Transport (reward_models.judge_client.JudgeClient on reward_models.remote.HttpClient): POST {url}/v1/chat/completions, images as base64
+Transport (reward_models.judge_client.JudgeClient on reward_models.http_client.HttpClient, set by the
+HttpSettings and JudgeSettings keys of the config entry): POST {url}/v1/chat/completions, images as base64
 JPEG q=95 data URLs (Pref-GRPO's protocol; PNG selectable), temperature 0, bounded retries with
 capped exponential backoff and jitter, per-attempt timeouts, an optional per-request deadline,
 and at most `concurrency` requests in flight (a thread pool). A batch takes at most about
@@ -37,14 +38,14 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 
 from .base import PairwiseScorer, Scorer
-from .judge_client import JudgeClient
-from .registry import register
-from .remote import RETRY_STATUSES
+from .http_client import HttpSettings
+from .judge_client import JudgeClient, JudgeSettings
+from .registry import register, with_settings
 
 POINTWISE_TEMPLATE = (
     "You are an expert judge of AI-generated images.\n"
@@ -104,10 +105,6 @@ def parse_preference(text: str | None) -> float | None:
     return 1.0 if winners.pop() == "1" else 0.0
 
 
-def _client(counters, settings: dict) -> JudgeClient:
-    return JudgeClient(settings.pop("url"), counters=counters, **settings)
-
-
 class VLMJudge(Scorer):
     """Pointwise VLM judge: a score parsed from the reply, normalised to [0, 1]."""
 
@@ -133,7 +130,7 @@ class VLMJudge(Scorer):
             raise ValueError("score_pattern needs a group that captures the number")
         self.template, self.score_min, self.score_max = template, float(score_min), float(score_max)
         self.requires_prompts = "{prompt}" in template
-        self.client = _client(self.counters, {"url": url, **client})
+        self.client = JudgeClient(url, counters=self.counters, **client)
         self.last_replies: list[str | None] = []
 
     def __call__(self, images, prompts=None, metadata=None):
@@ -179,7 +176,7 @@ class PairwiseVLMJudge(PairwiseScorer):
         client.setdefault("timeout_s", 300.0)
         self.template, self.both_orders = template, bool(both_orders)
         self.requires_prompts = "{prompt}" in template
-        self.client = _client(self.counters, {"url": url, **client})
+        self.client = JudgeClient(url, counters=self.counters, **client)
         self.last_replies: list[str | None] = []
 
     def _verdicts(self, replies: list[str | None]) -> list[float]:
@@ -225,109 +222,20 @@ class PairwiseVLMJudge(PairwiseScorer):
         self.client.close()
 
 
-def _bearer(api_key: str | None, token: str | None) -> str | None:
-    if api_key and token and api_key != token:
-        raise ValueError("set `token` or `api_key` (the same bearer token), not two different ones")
-    return api_key or token
-
-
-def _client_settings(
-    url,
-    model,
-    api_key,
-    timeout_s,
-    max_attempts,
-    backoff_s,
-    max_backoff_s,
-    deadline_s,
-    retry_statuses,
-    concurrency,
-    max_tokens,
-    temperature,
-    image_format,
-    jpeg_quality,
-    max_side,
-    request_params,
-    on_bad_response,
-    health_check,
-    seed,
-) -> dict:
-    return dict(
-        url=url,
-        model=model,
-        api_key=api_key,
-        timeout_s=timeout_s,
-        max_attempts=max_attempts,
-        backoff_s=backoff_s,
-        max_backoff_s=max_backoff_s,
-        deadline_s=deadline_s,
-        retry_statuses=retry_statuses,
-        concurrency=concurrency,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        image_format=image_format,
-        jpeg_quality=jpeg_quality,
-        max_side=max_side,
-        request_params=request_params,
-        on_bad_response=on_bad_response,
-        health_check=health_check,
-        seed=seed,
-    )
-
-
 @register("vlm_judge")
+@with_settings(HttpSettings, JudgeSettings)
 def build_vlm_judge(
     *,
-    url: str,
-    model: str | None = None,
-    api_key: str | None = None,
     template: str = POINTWISE_TEMPLATE,
     score_pattern: str = SCORE_PATTERN,
     score_min: float = 1.0,
     score_max: float = 10.0,
-    concurrency: int = 16,
-    max_tokens: int = 1024,
-    temperature: float = 0.0,
-    image_format: str = "jpeg",
-    jpeg_quality: int = 95,
-    max_side: int | None = None,
-    request_params: Mapping[str, Any] | None = None,
-    timeout_s: float = 120.0,
-    max_attempts: int = 4,
-    backoff_s: float = 0.5,
-    max_backoff_s: float = 10.0,
-    deadline_s: float | None = None,
-    retry_statuses: Sequence[int] = RETRY_STATUSES,
-    on_bad_response: str = "nan",
-    health_check: bool = True,
     batch_size: int = 64,
     key: str | None = None,
-    seed: int | None = None,
-    token: str | None = None,
+    **client,
 ) -> VLMJudge:
     """VLM judge over an OpenAI-compatible endpoint: a parsed score, normalised to [0, 1]. `token` (or its
     OpenAI name `api_key`): the server's bearer token, a value or `env:NAME`."""
-    client = _client_settings(
-        url,
-        model,
-        _bearer(api_key, token),
-        timeout_s,
-        max_attempts,
-        backoff_s,
-        max_backoff_s,
-        deadline_s,
-        retry_statuses,
-        concurrency,
-        max_tokens,
-        temperature,
-        image_format,
-        jpeg_quality,
-        max_side,
-        request_params,
-        on_bad_response,
-        health_check,
-        seed,
-    )
     return VLMJudge(
         template=template,
         score_pattern=score_pattern,
@@ -340,53 +248,10 @@ def build_vlm_judge(
 
 
 @register("vlm_judge_pairwise", kind="pairwise")
+@with_settings(HttpSettings, JudgeSettings, timeout_s=300.0, max_tokens=4096)
 def build_vlm_judge_pairwise(
-    *,
-    url: str,
-    model: str | None = None,
-    api_key: str | None = None,
-    template: str = PAIRWISE_TEMPLATE,
-    both_orders: bool = False,
-    concurrency: int = 16,
-    max_tokens: int = 4096,
-    temperature: float = 0.0,
-    image_format: str = "jpeg",
-    jpeg_quality: int = 95,
-    max_side: int | None = None,
-    request_params: Mapping[str, Any] | None = None,
-    timeout_s: float = 300.0,
-    max_attempts: int = 4,
-    backoff_s: float = 0.5,
-    max_backoff_s: float = 10.0,
-    deadline_s: float | None = None,
-    retry_statuses: Sequence[int] = RETRY_STATUSES,
-    on_bad_response: str = "nan",
-    health_check: bool = True,
-    batch_size: int = 64,
-    seed: int | None = None,
-    token: str | None = None,
+    *, template: str = PAIRWISE_TEMPLATE, both_orders: bool = False, batch_size: int = 64, **client
 ) -> PairwiseVLMJudge:
     """Pairwise VLM judge (UnifiedReward-Think protocol): P(a beats b), 0.5 when undecided. `token` / `api_key`:
     the server's bearer token, a value or `env:NAME`."""
-    client = _client_settings(
-        url,
-        model,
-        _bearer(api_key, token),
-        timeout_s,
-        max_attempts,
-        backoff_s,
-        max_backoff_s,
-        deadline_s,
-        retry_statuses,
-        concurrency,
-        max_tokens,
-        temperature,
-        image_format,
-        jpeg_quality,
-        max_side,
-        request_params,
-        on_bad_response,
-        health_check,
-        seed,
-    )
     return PairwiseVLMJudge(template=template, both_orders=both_orders, batch_size=batch_size, **client)

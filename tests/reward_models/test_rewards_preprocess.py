@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from reward_models import preprocess as pp
-from reward_models.encoders import clip_image_processor_class
+from reward_models.preprocess import clip_image_processor_class
 from reward_models.images import ImageBatch
 
 

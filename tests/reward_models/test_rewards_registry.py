@@ -1,5 +1,6 @@
 """Registry: names, settings, errors, and the package's import discipline."""
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -7,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from reward_models import ScorerConfig, UnknownScorerError, available, build_scorer, get_entry, register
-from reward_models.registry import unregister
+from reward_models.registry import unregister, with_settings
 
 PACKAGE = Path(__file__).resolve().parents[2] / "reward_models"
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "reward_server.py"
@@ -81,6 +82,50 @@ def test_entries_expose_settings_with_published_defaults():
     assert settings["processor"] == "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
     assert get_entry("clip_score").settings["model"] == "openai/clip-vit-large-patch14"
     assert get_entry("jpeg_compressibility").settings["quality"] == 95
+
+
+def test_shared_settings_sections_are_flat_settings_of_every_scorer_that_takes_them():
+    from reward_models.encoders import BackboneSettings
+    from reward_models.http_client import HttpSettings
+    from reward_models.judge_client import JudgeSettings
+
+    sections = {
+        HttpSettings: ("remote", "geneval", "vlm_judge", "vlm_judge_pairwise"),
+        JudgeSettings: ("vlm_judge", "vlm_judge_pairwise"),
+        BackboneSettings: ("clip_score", "pickscore", "aesthetic", "image_similarity"),
+    }
+    for section, names in sections.items():
+        for name in names:
+            settings = get_entry(name).settings
+            assert {f.name for f in dataclasses.fields(section)} <= set(settings), (name, section.__name__)
+    assert get_entry("vlm_judge_pairwise").settings["timeout_s"] == 300.0  # a factory's own default wins
+    assert get_entry("remote").settings["timeout_s"] == HttpSettings.__dataclass_fields__["timeout_s"].default
+
+
+def test_with_settings_passes_every_setting_and_checks_its_defaults():
+    @dataclasses.dataclass
+    class Section:
+        url: str
+        retries: int = 3
+
+    @with_settings(Section, retries=5)
+    def build(*, batch_size: int = 1, **section):
+        """A test factory."""
+        return batch_size, section
+
+    register("test_section_scorer")(build)
+    try:
+        assert build_scorer("test_section_scorer", url="u") == (1, {"url": "u", "retries": 5})
+        with pytest.raises(ValueError, match="did you mean 'retries'"):
+            build_scorer("test_section_scorer", url="u", retry=1)
+        with pytest.raises(ValueError, match=r"needs setting\(s\) \['url'\]"):
+            build_scorer("test_section_scorer")
+    finally:
+        unregister("test_section_scorer")
+    with pytest.raises(ValueError, match="name no section field"):
+        with_settings(Section, retrys=1)(lambda **section: None)
+    with pytest.raises(ValueError, match="given twice"):
+        with_settings(Section)(lambda *, url="": None)
 
 
 def test_import_is_light():
