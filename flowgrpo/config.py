@@ -7,10 +7,11 @@ key path and, for unknown keys, the valid ones.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable, Optional, Type, TypeVar
+from typing import Any, Iterable, Mapping, Optional, Type, TypeVar
 
 import copy
 import re
+import warnings
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -113,20 +114,63 @@ def read_yaml_config(p: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
 
 
 def load_config(
-    model: Type[M], path: Optional[str | Path] = None, overrides: Iterable[str] = (), defaults: Optional[dict] = None
+    model: Type[M],
+    path: Optional[str | Path] = None,
+    overrides: Iterable[str] = (),
+    defaults: Optional[dict] = None,
+    renamed: Mapping[str, str] = {},
 ) -> M:
-    """Build `model` from defaults, then a YAML file, then overrides (each merged key by key)."""
+    """Build `model` from defaults, then a YAML file, then overrides (each merged key by key). `renamed`: old dotted
+    keys -> new ones; a file or an override that uses an old key still loads, with a warning naming the new key."""
     data: dict[str, Any] = deep_merge({}, defaults or {})
     if path is not None:
-        data = deep_merge(data, read_yaml_config(Path(path)))
+        data = deep_merge(data, move_renamed_keys(read_yaml_config(Path(path)), renamed))
     for item in overrides:
-        apply_override(data, item)
+        apply_override(data, _renamed_override(item, renamed))
     try:
         return model.model_validate(data)
     except ValidationError as err:
         lines = [f"  {'.'.join(str(x) for x in e['loc']) or '(top level)'}: {e['msg']}" for e in err.errors()]
         where = f" ({path})" if path is not None else ""
         raise ConfigError(f"invalid {model.__name__}{where}:\n" + "\n".join(lines)) from None
+
+
+def _renamed_override(item: str, renamed: Mapping[str, str]) -> str:
+    """`old.key=value` -> `new.key=value` (with a warning), so an override of an old name wins over the file's new one."""
+    key, sep, value = item.partition("=")
+    for old, new in renamed.items():
+        if key.strip() == old or key.strip().startswith(old + "."):
+            warnings.warn(f"config key '{old}' is now '{new}' (the old name still loads, for now)", FutureWarning,
+                          stacklevel=3)  # fmt: skip
+            return new + key.strip()[len(old) :] + sep + value
+    return item
+
+
+def move_renamed_keys(data: Any, renamed: Mapping[str, str], warn: bool = True) -> Any:
+    """Move each old dotted key of `data` to its new name (`renamed`: old -> new), so that a config or a checkpoint
+    written before a rename keeps loading; warns naming the new key. Both names given: a ConfigError."""
+    if not isinstance(data, dict):
+        return data
+    data = copy.deepcopy(data)
+    for old, new in renamed.items():
+        *old_path, old_leaf = old.split(".")
+        parent = data
+        for part in old_path:
+            parent = parent.get(part) if isinstance(parent, dict) else None
+        if not isinstance(parent, dict) or old_leaf not in parent:
+            continue
+        value = parent.pop(old_leaf)
+        *new_path, new_leaf = new.split(".")
+        target = data
+        for part in new_path:
+            target = target.setdefault(part, {})
+        if new_leaf in target:
+            raise ConfigError(f"config key '{old}' was renamed '{new}': give only '{new}'")
+        target[new_leaf] = value
+        if warn:
+            warnings.warn(f"config key '{old}' is now '{new}' (the old name still loads, for now)", FutureWarning,
+                          stacklevel=2)  # fmt: skip
+    return data
 
 
 def dump_config(config: BaseModel, path: str | Path) -> None:

@@ -73,6 +73,11 @@ def sharding_from_launch(environ: Mapping[str, str] | None = None) -> Optional["
         raise ConfigError(f"accelerate FSDP config: {err}") from None
 
 
+def world_size_from_environment() -> int:
+    """The launch's process count (WORLD_SIZE; 1 outside a launch), readable before any process group exists."""
+    return max(int(os.environ.get("WORLD_SIZE", "1")), 1)
+
+
 class Distributed:
     """This process's rank and world; `sharding` is set when the run shards its models with FSDP2, `zero` when
     its optimizer step goes through a DeepSpeed ZeRO engine."""

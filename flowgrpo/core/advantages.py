@@ -205,7 +205,7 @@ def gdpo(batch: GroupBatch, *, eps: float = 1e-4, unbiased: bool = True, batch_n
     return _sample_result(adv, ok, batch)
 
 
-@ESTIMATORS.register("win_rate", requires=("preferences",))
+@ESTIMATORS.register("win_rate", requires=("preferences",), reads="preferences")
 def win_rate(batch: GroupBatch, *, eps: float = 1e-8, unbiased: bool = True) -> AdvantageResult:
     """Pref-GRPO: win rate of each sample against the rest of its group, then group z-score.
 
@@ -243,7 +243,7 @@ def _step_inputs(batch: GroupBatch) -> tuple[Tensor, Tensor]:
     return r, given(batch.step_mask, "GroupBatch.step_mask") & batch.usable(r)
 
 
-@ESTIMATORS.register("sibling", requires=("step_rewards",), plan="branch_points")
+@ESTIMATORS.register("sibling", requires=("step_rewards",), reads="siblings")
 def sibling(batch: GroupBatch, *, eps: float = 1e-4, unbiased: bool = False) -> AdvantageResult:
     """TempFlow-GRPO: z-score among the k siblings of each branch point.
 
@@ -253,7 +253,7 @@ def sibling(batch: GroupBatch, *, eps: float = 1e-4, unbiased: bool = False) -> 
     return _step_result(zscore(r, ok, dim=1, eps=eps, unbiased=unbiased), ok)
 
 
-@ESTIMATORS.register("turning_point", requires=("step_rewards",), plan="probes", final_reward_step=True)
+@ESTIMATORS.register("turning_point", requires=("step_rewards",), reads="step_rewards", final_reward_step=True)
 def turning_point(
     batch: GroupBatch,
     *,
@@ -308,7 +308,7 @@ def turning_point(
     )
 
 
-@ESTIMATORS.register("value_anchored", requires=("step_rewards",), plan="probes")
+@ESTIMATORS.register("value_anchored", requires=("step_rewards",), reads="step_rewards")
 def value_anchored(
     batch: GroupBatch,
     *,
@@ -339,7 +339,7 @@ def value_anchored(
     return _step_result(omega * (relative + absolute), ok)
 
 
-@ESTIMATORS.register("tree_depth", requires=("tree",), plan="tree")
+@ESTIMATORS.register("tree_depth", requires=("tree",), reads="tree")
 def tree_depth(
     batch: GroupBatch,
     *,

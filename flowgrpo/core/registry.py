@@ -2,8 +2,9 @@
 
 Every entry is a plain function. Its keyword-only parameters are its *settings* (what a config may
 set); `requires` names the optional inputs it reads, so a missing input is reported before any
-work is done. An estimator that reads rewards only one rollout plan produces says so once here
-(`plan`, `final_reward_step`): the trainers' config checks and credit assignment read it from the entry.
+work is done. An estimator declares once, here, which rewards it reads (`reads`, one of READS; the rollout
+plan that produces them follows from it) and whether its per-step rewards end with the final sample's
+(`final_reward_step`): the trainers' config checks and credit assignment dispatch on `reads` alone.
 Duplicate names raise; a typo gets the valid names and the closest match.
 """
 
@@ -22,14 +23,29 @@ class UnknownNameError(ValueError):
     """A registry lookup with a name that is not registered."""
 
 
+# What an estimator reads -> the rollout plan whose rewards those are (None: the final samples of any plan)
+READS: dict[str, Optional[str]] = {
+    "final": None,  # each final sample's reward (one advantage per sample)
+    "preferences": None,  # pairwise preferences among a group's final samples
+    "step_rewards": "probes",  # rewards of probe completions along each chain (one advantage per step)
+    "siblings": "branch_points",  # completed rewards of the side children of each branch point
+    "tree": "tree",  # leaf rewards fused up a rollout tree (one advantage per node)
+}
+
+
 @dataclass(frozen=True)
 class Entry:
     name: str
     fn: Callable[..., Any]
     requires: frozenset[str] = field(default_factory=frozenset)
     doc: str = ""
-    plan: Optional[str] = None  # the rollout plan whose rewards it reads (None: any plan's final rewards)
+    reads: str = "final"  # estimators: which rewards (a key of READS)
     final_reward_step: bool = False  # per-step rewards end with the final sample's reward
+
+    @property
+    def plan(self) -> Optional[str]:
+        """The rollout plan whose rewards the estimator reads (None: any plan's final samples)."""
+        return READS[self.reads]
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -65,13 +81,16 @@ class Registry:
         self._entries: dict[str, Entry] = {}
 
     def register(
-        self, name: str, *, requires: Iterable[str] = (), plan: Optional[str] = None, final_reward_step: bool = False
+        self, name: str, *, requires: Iterable[str] = (), reads: str = "final", final_reward_step: bool = False
     ) -> Callable[[F], F]:
+        if reads not in READS:
+            raise ValueError(f"{self.kind} '{name}': reads must be one of {sorted(READS)}, got {reads!r}")
+
         def decorate(fn: F) -> F:
             if name in self._entries:
                 raise ValueError(f"{self.kind} '{name}' is already registered")
             doc = inspect.getdoc(fn) or ""
-            self._entries[name] = Entry(name, fn, frozenset(requires), doc.split("\n")[0], plan, final_reward_step)
+            self._entries[name] = Entry(name, fn, frozenset(requires), doc.split("\n")[0], reads, final_reward_step)
             return fn
 
         return decorate

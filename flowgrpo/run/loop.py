@@ -1,11 +1,11 @@
-"""The run loop both trainers share: process setup, checkpoints and resume, metrics, progress, evaluation hooks.
+"""The run loop both trainers share: process setup, when to checkpoint, metrics, progress, evaluation hooks.
 
 A trainer subclasses `RunLoop` and supplies what is its own: `iterate(record)` (roll out, score, update the
 policy through `self.optimizer_step`), the tensors and state its checkpoints hold, and optionally evaluation
 and the final model. The loop owns the order of everything else:
 
-    __init__   prepare_process (seeds, threads) -> output folder -> refuse to overwrite an earlier run
-               -> the non-finite guard (`self.guard`, flowgrpo.guards)
+    __init__   prepare_process (seeds, threads) -> output folder -> refuse to overwrite an earlier run's
+               checkpoints -> the non-finite guard (`self.guard`, flowgrpo.guards)
     train()    config.yaml -> [evaluate "before"] -> SIGINT / SIGTERM handlers -> per step: train_step()
                -> [evaluate] -> metrics.jsonl -> [checkpoint] -> progress bar -> [stop on a signal] ...
                -> [evaluate "after", final model]
@@ -17,8 +17,10 @@ messages ("iteration" / "step").
 
 Save points: `save()`, every `checkpoint.every` steps, at the end of the run, and after the step in progress
 when SIGINT / SIGTERM arrives (flowgrpo.interrupts: the step finishes, every rank saves the same step, the run
-stops with 128 + the signal and a resume hint); nothing else writes a checkpoint. A trainer's `iterate` passes
-its rewards through `self.guard.rewards` and builds its `OptimizerStep` with `guard=self.guard`.
+stops with 128 + the signal and a resume hint); nothing else writes a checkpoint. How the ranks save and resume
+(shards, ZeRO's gathered moments, verification, the config check) is flowgrpo.checkpoint's `Checkpointer`. A
+trainer's `iterate` passes its rewards through `self.guard.rewards` and builds its `OptimizerStep` with
+`guard=self.guard`.
 """
 
 from __future__ import annotations
@@ -26,23 +28,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
-from ..checkpoint import (
-    SHARDED,
-    Checkpoint,
-    CheckpointError,
-    check_resume_config,
-    checkpoint_name,
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
-from ..config import ConfigError, dump_config
+from ..checkpoint import Checkpoint, CheckpointParts, Checkpointer, refuse_earlier_run
+from ..config import dump_config, move_renamed_keys
 from ..distributed import Distributed
 from ..guards import NonFiniteGuard
 from ..interrupts import StopRequest
@@ -51,16 +43,9 @@ from ..process import prepare_process
 from .config import CheckpointConfig
 from .optim import OptimizerStep
 
+__all__ = ["CheckpointParts", "RunLoop"]  # CheckpointParts (flowgrpo.checkpoint's): method plug-ins import it from here
+
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class CheckpointParts:
-    """What a trainer adds to a checkpoint: named tensor groups, optimizers (besides the LR schedule), state."""
-
-    tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
-    optimizers: dict[str, torch.optim.Optimizer] = field(default_factory=dict)
-    state: dict[str, Any] = field(default_factory=dict)
 
 
 class RunLoop:
@@ -71,6 +56,7 @@ class RunLoop:
     unit = "step"
     progress_label = "train"
     resume_free: frozenset[str] = frozenset()
+    renamed_keys: Mapping[str, str] = {}  # config keys renamed since a checkpoint may have been written: old -> new
     nan_reward_is_missing = False
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -85,11 +71,8 @@ class RunLoop:
         self.out.mkdir(parents=True, exist_ok=True)
         ckpt: CheckpointConfig = cfg.checkpoint
         self.ckpt_dir = Path(ckpt.dir) if ckpt.dir else self.out / "checkpoints"
-        if not cfg.resume and latest_checkpoint(self.ckpt_dir) is not None:
-            raise ConfigError(
-                f"{self.ckpt_dir} holds checkpoints of an earlier run: set resume=true to continue "
-                "it, or choose another output_dir (nothing was overwritten)"
-            )
+        if not cfg.resume:
+            refuse_earlier_run(self.ckpt_dir)
         self.step = 0  # completed training steps
         self.resumed_from: Optional[Path] = None
         self.guard = NonFiniteGuard(cfg.guards, self.unit, nan_is_missing=self.nan_reward_is_missing)
@@ -146,76 +129,28 @@ class RunLoop:
 
     # --- checkpoints -----------------------------------------------------------------------------------
 
-    def save(self) -> Optional[Path]:
-        """Rank 0 writes the checkpoint (every rank holds the same weights); the others wait for it. A sharded
-        run's ranks first write their shards together (flowgrpo.run.shards); a ZeRO run's gather the optimizer
-        state together (flowgrpo.scaling.zero)."""
-        if self.dist.sharded:
-            path = self._write_sharded_checkpoint()
-        else:
-            self.optimizer_step.gather_state()  # a ZeRO run: every rank gives its partitions of the moments first
-            path = self._write_checkpoint(self.checkpoint_parts()) if self.dist.is_main else None
-        self.dist.barrier()
-        return path
-
-    def _write_checkpoint(self, parts: CheckpointParts, folders: Optional[dict[str, Path]] = None) -> Path:
-        return save_checkpoint(
-            self.ckpt_dir, self.step, tensors=parts.tensors, optimizers=parts.optimizers,
-            schedulers={"lr": self.scheduler}, state=parts.state, config=self.cfg.model_dump(mode="json"),
-            keep_last=self.cfg.checkpoint.keep_last, folders=folders,
+    def checkpointer(self) -> Checkpointer:
+        """This run's checkpoints, built when used: a trainer sets its scheduler and optimizer step after
+        `RunLoop.__init__`."""
+        return Checkpointer(
+            self.dist, self.ckpt_dir, parts=self.checkpoint_parts, schedulers={"lr": self.scheduler},
+            optimizer_step=self.optimizer_step, config=lambda: self.cfg.model_dump(mode="json"),
+            keep_last=self.cfg.checkpoint.keep_last, unit=self.unit,
+            migrate_saved_config=lambda saved: move_renamed_keys(saved, self.renamed_keys, warn=False),
         )  # fmt: skip
 
-    def _write_sharded_checkpoint(self) -> Optional[Path]:
-        """Every rank writes its shards into a staging folder; rank 0 then writes the rest and moves the
-        staging folder into the checkpoint before its atomic rename."""
-        import shutil
-
-        from .shards import all_finite, shard_tensors, without_shards, write_shards
-
-        parts = self.checkpoint_parts()
-        shards = shard_tensors(parts)
-        if self.dist.max(0.0 if all_finite(shards) else 1.0):  # every rank refuses together
-            raise CheckpointError(f"refusing to save step {self.step}: sharded tensors hold NaN / inf")
-        staging = self.ckpt_dir / f".tmp-shards-{checkpoint_name(self.step)}"
-        if self.dist.is_main:
-            shutil.rmtree(staging, ignore_errors=True)  # left by a crashed save
-            staging.mkdir(parents=True)
-        self.dist.barrier()
-        write_shards(staging, shards)
-        self.dist.barrier()
-        if not self.dist.is_main:
-            return None
-        return self._write_checkpoint(without_shards(parts), folders={SHARDED: staging})
+    def save(self) -> Optional[Path]:
+        """Every rank calls it; rank 0 writes the checkpoint of the current step and returns its folder."""
+        return self.checkpointer().save(self.step)
 
     def resume(self) -> None:
         """Continue from the newest good checkpoint under the checkpoint folder (none: start at step 0). Damaged
         ones (sizes / hashes differ from the save) are skipped with a warning; a changed setting outside
         `resume_free` is refused (the checkpoint's optimizer and schedule would silently win over it)."""
-        # rank 0 reads every file's hash (a sharded checkpoint holds all ranks' shards) and tells the others
-        path = latest_checkpoint(self.ckpt_dir, verify=True) if self.dist.is_main else None
-        if self.dist.active:
-            path = self.dist.gather_objects([path])[0]
-        if path is None:
-            log.info("resume: no checkpoint under %s; starting at %s 0", self.ckpt_dir, self.unit)
-            return
-        parts = self.checkpoint_parts()
-        shards = None
-        if (path / SHARDED).is_dir():  # saved sharded: read on this run's ranks, sharded or not
-            from .shards import read_shards
-
-            shards = read_shards(path / SHARDED, parts)
-        elif self.dist.sharded:
-            raise ConfigError(
-                f"resume: {path} was saved by a run that does not shard; resume it without an FSDP launch "
-                "(configs/accelerate/ddp.yaml)"
-            )
-        ckpt = load_checkpoint(path, optimizers=parts.optimizers, schedulers={"lr": self.scheduler}, shards=shards)
-        check_resume_config(self.cfg.model_dump(mode="json"), ckpt.config, set(self.resume_free))
-        self.restore(ckpt)
-        self.optimizer_step.weights_loaded()
-        self.step = ckpt.step
-        self.resumed_from = path
-        log.info("resumed from %s (%s %d)", path, self.unit, self.step)
+        ckpt = self.checkpointer().resume(self.restore, set(self.resume_free))
+        if ckpt is not None:
+            self.step = ckpt.step
+            self.resumed_from = ckpt.path
 
     # --- the run ---------------------------------------------------------------------------------------
 

@@ -13,19 +13,14 @@ on the CPU. Under data parallelism the head gradients are averaged over ranks be
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ContextManager
+from typing import Any, ContextManager
 
 import torch
 
 from ..config import ConfigError
-from ..run.loop import CheckpointParts
 from .config import AdversarialConfig
 from .credit import assign_credit
-from .methods import WRAPPERS, Method, ScoredRollout
-
-if TYPE_CHECKING:
-    from ..checkpoint import Checkpoint
-    from .trainer import T2ITrainer
+from .methods import WRAPPERS, ImageContext, ImageMethod, ScoredRollout
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 SYNTHETIC_REFERENCES = 64  # images made by reference_generator
@@ -160,18 +155,19 @@ class Discriminator:
 
 
 @WRAPPERS.register("adversarial")
-class AdversarialAlternation(Method):
+class AdversarialAlternation(ImageMethod):
     """On discriminator iterations the discriminator trains on the rollout images and the policy does not
     (its credit metrics are still logged); on the others the wrapped method updates the policy."""
 
     needs_images = True
 
-    def __init__(self, trainer: T2ITrainer, inner: Method) -> None:
-        super().__init__(trainer)
+    def __init__(self, ctx: ImageContext, inner: ImageMethod) -> None:
+        super().__init__(ctx)
         self.inner = inner
-        cfg = trainer.cfg
+        cfg = ctx.cfg
+        assert ctx.scorer is not None, "the adversarial wrapper trains a configured scorer"
         self.discriminator = Discriminator(
-            trainer.rewards.scorer(cfg.adversarial.reward),
+            ctx.scorer(cfg.adversarial.reward),
             cfg.adversarial,
             (cfg.sampler.height, cfg.sampler.width),
             cfg.seed,
@@ -181,26 +177,27 @@ class AdversarialAlternation(Method):
         return self.inner.rollout_policy()
 
     def update(self, rollout: ScoredRollout, record: dict[str, Any]) -> None:
-        t = self.trainer
-        if self.discriminator.trains_at(t.step):
-            record.update(self.discriminator.update(rollout.images, rollout.batch_prompts, t.cfg.group_size))
+        ctx, cfg = self.ctx, self.ctx.cfg
+        if self.discriminator.trains_at(ctx.iteration):
+            record.update(self.discriminator.update(rollout.images, rollout.batch_prompts, cfg.group_size))
             record["adversarial/policy_update"] = 0
-            if t.ema is not None:
-                t.ema.idle_iteration()
+            if ctx.ema is not None:
+                ctx.ema.idle_iteration()
             record.update(
                 assign_credit(
-                    rollout.global_tree, rollout.leaf_values, rollout.probe_values, rollout.preferences, t.cfg, t.step
+                    rollout.global_tree, rollout.leaf_values, rollout.probe_values, rollout.preferences, cfg,
+                    ctx.iteration,
                 ).metrics
-            )
+            )  # fmt: skip
         else:
             self.inner.update(rollout, record)
             record["adversarial/policy_update"] = 1
 
-    def checkpoint_parts(self, parts: CheckpointParts) -> None:
+    def checkpoint_parts(self, parts: Any) -> None:
         self.inner.checkpoint_parts(parts)
         parts.tensors["discriminator"] = self.discriminator.state_tensors()
         parts.optimizers["discriminator"] = self.discriminator.optimizer
 
-    def restore(self, ckpt: Checkpoint) -> None:
+    def restore(self, ckpt: Any) -> None:
         self.inner.restore(ckpt)
         self.discriminator.load_state_tensors(ckpt.tensors["discriminator"])

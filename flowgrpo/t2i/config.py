@@ -229,12 +229,13 @@ class T2IConfig(StrictModel):
             )
         est = self.advantage.estimator.name
         plan = self.plan.name
+        if problem := _world_size_problem(self):
+            raise ValueError(problem)
+        if problem := _estimator_problem(self):
+            raise ValueError(problem)
         if self.rollout_split > 1 and (problem := _split_problem(self, est, plan)):
             raise ValueError(f"rollout_split {self.rollout_split}: {problem}")
-        needs = ESTIMATORS.get(est)  # the plan an estimator reads is declared where it is registered
-        level = "per-step rewards" if "step_rewards" in needs.requires else "node rewards"
-        if needs.plan and plan != needs.plan:
-            raise ValueError(f"advantage estimator '{est}' needs {level} from the '{needs.plan}' plan, not '{plan}'")
+        needs = ESTIMATORS.get(est)
         if (self.edges.depth_pruning or self.edges.width_pruning) and plan != "tree":
             raise ValueError("edges: depth / width pruning are BranchGRPO options for the 'tree' plan")
         if self.plan.settings.get("post_compress") is not None and self.sampler.schedule.name != "time_shift":
@@ -272,6 +273,53 @@ class T2IConfig(StrictModel):
         if self.adversarial.enabled and self.adversarial.reward not in labels:
             raise ValueError(f"adversarial.reward '{self.adversarial.reward}' is not among rewards {labels}")
         return self
+
+
+def _reward_kinds(cfg: T2IConfig) -> list[str]:
+    """'pointwise' / 'pairwise' of each configured scorer, read from its registry entry (nothing is loaded)."""
+    from reward_models import get_entry
+
+    try:
+        return [get_entry(r.name).kind for r in cfg.rewards]
+    except KeyError as err:
+        raise ValueError(f"rewards: {err}") from None
+
+
+def _estimator_problem(cfg: T2IConfig) -> Optional[str]:
+    """Whether the estimator, the plan and the rewards fit, from what the estimator reads (its registered `reads`)."""
+    est, plan = cfg.advantage.estimator.name, cfg.plan.name
+    needs = ESTIMATORS.get(est)
+    per_step = needs.reads in ("step_rewards", "siblings")
+    if needs.plan and plan != needs.plan:
+        level = "per-step rewards" if per_step else "node rewards"
+        return f"advantage estimator '{est}' needs {level} from the '{needs.plan}' plan, not '{plan}'"
+    readers = [n for n in ESTIMATORS.names() if ESTIMATORS.get(n).plan == plan]
+    if readers and est not in readers:  # a plan whose rewards only some estimators read
+        kind = "node-level" if plan == "tree" else "per-step"
+        return f"plan '{plan}' needs the {kind} estimator {' or '.join(map(repr, readers))}, not '{est}'"
+    if "pairwise" in _reward_kinds(cfg):
+        if per_step:
+            return (
+                f"a pairwise reward compares the final images of a group; the per-step estimator '{est}' needs "
+                "pointwise probe rewards"
+            )
+        if cfg.rollout_split > 1:
+            return "a pairwise reward compares a whole group's images: it needs rollout_split 1"
+    return None
+
+
+def _world_size_problem(cfg: T2IConfig) -> Optional[str]:
+    """The rollout batches of an iteration must divide evenly over the processes of the launch."""
+    from ..distributed import world_size_from_environment
+
+    world = world_size_from_environment()
+    chunks = cfg.prompts_per_iteration // cfg.rollout_prompts * cfg.rollout_split
+    if chunks % world:
+        return (
+            f"prompts_per_iteration / rollout_prompts x rollout_split = {chunks} rollout batches must divide "
+            f"evenly over {world} processes (rollout_split lets a group straddle ranks)"
+        )
+    return None
 
 
 def _split_problem(cfg: T2IConfig, est: str, plan: str) -> Optional[str]:

@@ -40,6 +40,55 @@ def _scalar(values: Tensor, batch_like: GroupBatch) -> Tensor:
     return probe.scalar_rewards().squeeze(0)
 
 
+def _node_probe_rewards(tree, probe_values: Optional[Tensor], plain: GroupBatch) -> Tensor:
+    """[N] the scalar reward of each probed node (NaN elsewhere)."""
+    node_r = torch.full((tree.num_nodes,), float("nan"))
+    if probe_values is not None and tree.probe_nodes.numel():
+        node_r[tree.probe_nodes] = _scalar(probe_values, plain)
+    return node_r
+
+
+def _siblings(tree, base: dict, probe_values: Optional[Tensor], preferences, cfg: T2IConfig):
+    """Side children's completed rewards, grouped by branch point (the groups are the siblings, not the spines)."""
+    plain = GroupBatch(**base)
+    node_r = _node_probe_rewards(tree, probe_values, plain)
+    P = tree.leaves.shape[0]
+    side = tree.side_children()  # [S, k, T]
+    S, k, T = side.shape
+    side = side.view(P, S // P * k, T) if S else side.view(P, 0, T)
+    step_r = torch.where(side >= 0, node_r[side.clamp_min(0)], torch.full(side.shape, float("nan")))
+    sib = {key: v for key, v in base.items() if key != "rewards"}
+    result = compute_advantages(GroupBatch(**sib, step_rewards=step_r, step_mask=side >= 0), cfg.advantage)
+    result.metrics.update(reward_metrics(plain))
+    return result.advantages, result.sample_weight, side, result.metrics
+
+
+def _along_chains(tree, base: dict, probe_values: Optional[Tensor], preferences, cfg: T2IConfig):
+    """Probe rewards along each chain -> one advantage per step (+ the final sample's, where the estimator ends
+    with it: R_end is the ODE completion from the deepest probe, i.e. the final image)."""
+    plain = GroupBatch(**base)
+    node_r = _node_probe_rewards(tree, probe_values, plain)
+    chain = tree.ancestors(tree.leaves)  # [P, L, T + 1]
+    end = int(tree.depth[tree.probe_nodes].max()) + 1
+    along = node_r[chain[..., :end]]
+    if ESTIMATORS.get(cfg.advantage.estimator.name).final_reward_step:
+        along = torch.cat([along, plain.scalar_rewards().unsqueeze(-1)], -1)
+    result = compute_advantages(GroupBatch(**base, step_rewards=along), cfg.advantage)
+    return result.advantages, result.sample_weight, chain[..., 1 : end + 1], result.metrics
+
+
+def _final(tree, base: dict, probe_values: Optional[Tensor], preferences, cfg: T2IConfig):
+    """The final sample's advantage goes to every edge of its chain."""
+    result = compute_advantages(GroupBatch(**base, preferences=preferences), cfg.advantage)
+    chain = tree.ancestors(tree.leaves)[..., 1:]  # edges into depth 1..T
+    adv = result.advantages.unsqueeze(-1).expand_as(chain)
+    return adv, result.sample_weight.unsqueeze(-1).expand_as(chain), chain, result.metrics
+
+
+# What the estimator reads (its registered `reads`) -> how its advantages reach the edges
+CHAIN_CREDIT = {"final": _final, "preferences": _final, "step_rewards": _along_chains, "siblings": _siblings}
+
+
 def assign_credit(
     tree,
     leaf_values: Tensor,
@@ -50,7 +99,7 @@ def assign_credit(
 ) -> Credit:
     P, L = tree.leaves.shape
     K = leaf_values.shape[-1]
-    needs = ESTIMATORS.get(cfg.advantage.estimator.name)  # which rewards it reads, declared where it is registered
+    reads = ESTIMATORS.get(cfg.advantage.estimator.name).reads  # the one dispatch on what the estimator reads
     base = dict(
         rewards=leaf_values.view(P, L, K),
         reward_weights=[r.weight for r in cfg.rewards],
@@ -58,53 +107,23 @@ def assign_credit(
         head_nan_policy=cfg.advantage.head_nan_policy,
     )
     N = tree.num_nodes
-    node_adv = torch.full((N,), float("nan"))
-    node_w = torch.zeros(N)
-
-    if "step_rewards" in needs.requires:
-        plain = GroupBatch(**base)
-        node_r = torch.full((N,), float("nan"))
-        if probe_values is not None and tree.probe_nodes.numel():
-            node_r[tree.probe_nodes] = _scalar(probe_values, plain)
-        if needs.plan == "branch_points":
-            side = tree.side_children()  # [S, k, T]
-            S, k, T = side.shape
-            side = side.view(P, S // P * k, T) if S else side.view(P, 0, T)
-            step_r = torch.where(side >= 0, node_r[side.clamp_min(0)], torch.full(side.shape, float("nan")))
-            # the groups here are the siblings of each branch point, not the spines' final images
-            sib = {k: v for k, v in base.items() if k != "rewards"}
-            result = compute_advantages(GroupBatch(**sib, step_rewards=step_r, step_mask=side >= 0), cfg.advantage)
-            result.metrics.update(reward_metrics(plain))
-            edge_nodes = side
-        else:
-            chain = tree.ancestors(tree.leaves)  # [P, L, T + 1]
-            end = int(tree.depth[tree.probe_nodes].max()) + 1
-            along = node_r[chain[..., :end]]
-            if needs.final_reward_step:  # R_end: ODE from depth `end` = the final image
-                along = torch.cat([along, plain.scalar_rewards().unsqueeze(-1)], -1)
-            batch = GroupBatch(**base, step_rewards=along)
-            result = compute_advantages(batch, cfg.advantage)
-            edge_nodes = chain[..., 1 : end + 1]
-        ok = edge_nodes >= 0
-        node_adv[edge_nodes[ok]] = result.advantages[ok].float()
-        node_w[edge_nodes[ok]] = result.sample_weight[ok].float()
-    elif "tree" in needs.requires:
+    if reads == "tree":  # leaf rewards fused up the tree: one advantage per node
         structure, local = tree.tree_structure()
         result = compute_advantages(GroupBatch(**base, tree=structure), cfg.advantage)
         node_adv = result.advantages[tree.prompt, local].float()
         node_w = result.sample_weight[tree.prompt, local].float()
-    else:
-        result = compute_advantages(GroupBatch(**base, preferences=preferences), cfg.advantage)
-        chain = tree.ancestors(tree.leaves)[..., 1:]  # edges into depth 1..T
-        ok = chain >= 0
-        adv = result.advantages.unsqueeze(-1).expand_as(chain)
-        w = result.sample_weight.unsqueeze(-1).expand_as(chain)
-        node_adv[chain[ok]] = adv[ok].float()
-        node_w[chain[ok]] = w[ok].float()
+        adv_metrics = result.metrics
+    else:  # one advantage per (chain, step): scatter onto the nodes the edges lead into
+        adv, weight, edge_nodes, adv_metrics = CHAIN_CREDIT[reads](tree, base, probe_values, preferences, cfg)
+        node_adv = torch.full((N,), float("nan"))
+        node_w = torch.zeros(N)
+        ok = edge_nodes >= 0
+        node_adv[edge_nodes[ok]] = adv[ok].float()
+        node_w[edge_nodes[ok]] = weight[ok].float()
 
     keep = tree.edge_trained & (node_w > 0) & torch.isfinite(node_adv)
-    metrics = dict(result.metrics)
-    if "tree" in needs.requires:
+    metrics = dict(adv_metrics)
+    if reads == "tree":
         from pipelines.edge_selection import depth_pruning, width_pruning
 
         edges_cfg = cfg.edges

@@ -1,32 +1,36 @@
-"""Training methods of the image trainer as registered plug-ins: the loop never asks which method runs.
+"""The image trainer's method plug-ins: their registries, what they receive, and the scored rollout they update on.
 
-A method decides which weights sample the rollout and how one training step turns a scored rollout into
-optimizer steps. `method: grpo` (the clipped objective over re-scored edges, flowgrpo/t2i/grpo.py) and
-`method: nft` (DiffusionNFT's forward-process objective, flowgrpo/t2i/nft.py) are entries of METHODS;
-a config section with `enabled: true` whose name is in WRAPPERS wraps the method (Adv-GRPO's
-discriminator alternation, flowgrpo/t2i/adversarial.py). A method's config rules live with it
-(`Method.check_config`, `Method.per_sample_steps`); the config checks `method` against METHODS' names.
+A method decides which weights sample the rollout and how a scored rollout becomes optimizer steps (the
+contract: flowgrpo.run.method.Method). `method: grpo` (the clipped objective over re-scored edges,
+flowgrpo/t2i/grpo.py) and `method: nft` (DiffusionNFT's forward-process objective, flowgrpo/t2i/nft.py)
+are entries of METHODS; a config section with `enabled: true` whose name is in WRAPPERS wraps the method
+(Adv-GRPO's discriminator alternation, flowgrpo/t2i/adversarial.py). A method sees an `ImageContext`, never
+the trainer.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ContextManager, Optional
+from typing import Any, Callable, Optional
 
 from torch import Tensor
 
 from ..core.registry import Registry
-from ..run.loop import CheckpointParts
-
-if TYPE_CHECKING:
-    from ..checkpoint import Checkpoint
-    from .config import T2IConfig
-    from .data import PromptSet
-    from .trainer import T2ITrainer
+from ..run.method import Method, MethodContext
 
 METHODS = Registry("method")
 WRAPPERS = Registry("method wrapper")
+
+
+@dataclass(frozen=True)
+class ImageContext(MethodContext):
+    """What an image method may use besides the shared context."""
+
+    adapter: Any = None  # the model family's adapter (pipelines.adapters): denoiser, encode, decode, LoRA
+    sampler: Any = None  # pipelines.sampler.Sampler: rolls out, re-scores edges, counts forwards
+    ema: Any = None  # flowgrpo.run.ScheduledEMA or None
+    scorer: Optional[Callable[[str], Any]] = None  # a configured scorer by its label (a trained reward)
 
 
 @dataclass
@@ -40,56 +44,34 @@ class ScoredRollout:
     preferences: Optional[Tensor]  # pairwise preferences (pairwise rewards)
     images: Optional[Tensor]  # this rank's decoded final images, when kept (grids, discriminator)
     prompts: list[str]  # this rank's prompts, in local tree order
-    batch_prompts: PromptSet  # every prompt of the step (all ranks)
+    batch_prompts: Any  # every prompt of the step, all ranks (flowgrpo.t2i.data.PromptSet)
     nodes_per_chunk: int  # nodes of one rollout batch (global <-> local edge ids)
 
 
-class Method:
-    """The contract of a method plug-in; the defaults are GRPO's (sample with the current policy)."""
+class ImageMethod(Method):
+    """An image method: the defaults are GRPO's (sample with the current policy)."""
 
+    ctx: ImageContext
     needs_images = False  # the update reads the decoded images
     per_sample_steps = False  # trains edges picked per final sample: `edges.per_sample_fraction` applies
 
     @staticmethod
-    def check_config(cfg: T2IConfig) -> None:
-        """This method's own config rules (T2IConfig's cross-checks call them): a ValueError names the problem."""
-
-    def __init__(self, trainer: T2ITrainer) -> None:
-        self.trainer = trainer
-
-    @staticmethod
-    def prepare_model(adapter: Any, cfg: T2IConfig) -> None:
+    def prepare_model(adapter: Any, cfg: Any) -> None:
         """Add what the method keeps inside the denoiser (NFT's old-policy adapter) before it is sharded."""
 
-    @staticmethod
-    def needs_reference(cfg: T2IConfig) -> bool:
-        """A KL term against the reference (LoRA-disabled / frozen) policy."""
-        return False
-
-    def rollout_policy(self) -> ContextManager[Any]:
-        """The weights that sample the rollout."""
-        return contextlib.nullcontext(self.trainer.adapter)
-
-    def update(self, rollout: ScoredRollout, record: dict[str, Any]) -> None:
-        """Turn the scored rollout into optimizer steps (trainer.optimizer_step); metrics into `record`."""
-        raise NotImplementedError
-
-    def checkpoint_parts(self, parts: CheckpointParts) -> None:
-        """Add this method's own tensors / optimizers / state to a checkpoint."""
-
-    def restore(self, ckpt: Checkpoint) -> None:
-        """Load what `checkpoint_parts` saved."""
+    def rollout_policy(self) -> Any:
+        return contextlib.nullcontext(self.ctx.adapter)
 
 
-def build_method(trainer: T2ITrainer) -> Method:
+def build_method(ctx: ImageContext) -> ImageMethod:
     """The configured method, wrapped by every enabled wrapper section (in name order)."""
-    cfg = trainer.cfg
-    method: Method = METHODS.get(cfg.method).fn(trainer)
+    cfg = ctx.cfg
+    method: ImageMethod = METHODS.get(cfg.method).fn(ctx)
     for name in WRAPPERS.names():
         if getattr(cfg, name).enabled:
-            method = WRAPPERS.get(name).fn(trainer, method)
+            method = WRAPPERS.get(name).fn(ctx, method)
     return method
 
 
-def method_class(name: str) -> type[Method]:
+def method_class(name: str) -> type[ImageMethod]:
     return METHODS.get(name).fn

@@ -12,21 +12,16 @@ weighting; the weight in float64, floored at 1e-5, as NVlabs/DiffusionNFT script
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, ContextManager
+from typing import Any, ContextManager, Iterator
 
 import torch
 from torch import Tensor
 
 from ..config import ConfigError
 from ..core import TRANSFORMS, GroupBatch, compute_advantages
-from ..run.loop import CheckpointParts
-from .methods import METHODS, Method, ScoredRollout
+from ..run.update import MiniBatch, MicroLoss, pass_generator, run_update
+from .methods import METHODS, ImageContext, ImageMethod, ScoredRollout
 from .model import active_lora
-
-if TYPE_CHECKING:
-    from ..checkpoint import Checkpoint
-    from .config import T2IConfig
-    from .trainer import T2ITrainer
 
 
 def _adaptive_x0_loss(x0_hat: Tensor, x0: Tensor) -> Tensor:
@@ -70,12 +65,12 @@ def soft_update(old: list[Tensor], new: list[Tensor], decay: float) -> None:
 
 
 @METHODS.register("nft")
-class NFTMethod(Method):
+class NFTMethod(ImageMethod):
     """DiffusionNFT: rollouts from the old policy, the forward-process objective on the clean samples (x0 = the
     leaves), then the old policy's soft update. The old policy is a second LoRA adapter, starting equal."""
 
     @staticmethod
-    def prepare_model(adapter: Any, cfg: T2IConfig) -> None:
+    def prepare_model(adapter: Any, cfg: Any) -> None:
         """The old policy's adapter, frozen; the trained one stays active (before sharding: FSDP2 manages the
         parameters present when it wraps a block)."""
         lora = cfg.model.lora
@@ -88,17 +83,17 @@ class NFTMethod(Method):
         for p in adapter.lora_parameters("old"):
             p.requires_grad_(False)
 
-    def __init__(self, trainer: T2ITrainer) -> None:
-        super().__init__(trainer)
-        self.old_params = trainer.adapter.lora_parameters("old")
-        soft_update(self.old_params, trainer.params, 0.0)
+    def __init__(self, ctx: ImageContext) -> None:
+        super().__init__(ctx)
+        self.old_params = ctx.adapter.lora_parameters("old")
+        soft_update(self.old_params, ctx.params, 0.0)
 
     @staticmethod
-    def needs_reference(cfg: T2IConfig) -> bool:
+    def needs_reference(cfg: Any) -> bool:
         return cfg.nft.kl_coef != 0
 
     @staticmethod
-    def check_config(cfg: T2IConfig) -> None:
+    def check_config(cfg: Any) -> None:
         if cfg.model.finetune != "lora":
             raise ValueError("method 'nft' keeps the old policy as a second LoRA adapter: finetune must be 'lora'")
         if cfg.plan.name not in ("ode_only", "full_sde", "window"):
@@ -107,19 +102,19 @@ class NFTMethod(Method):
             raise ValueError("method 'nft' is CFG-free: set sampler.cfg_mode none")
 
     def rollout_policy(self) -> ContextManager[Any]:
-        return active_lora(self.trainer.adapter, "old")
+        return active_lora(self.ctx.adapter, "old")
 
-    def checkpoint_parts(self, parts: CheckpointParts) -> None:
+    def checkpoint_parts(self, parts: Any) -> None:
         parts.tensors["nft_old"] = {f"{i}": p.detach() for i, p in enumerate(self.old_params)}
 
-    def restore(self, ckpt: Checkpoint) -> None:
+    def restore(self, ckpt: Any) -> None:
         with torch.no_grad():
             for i, p in enumerate(self.old_params):
                 p.copy_(ckpt.tensors["nft_old"][f"{i}"])
 
     def optimality(self, rollout: ScoredRollout, record: dict[str, Any]) -> tuple[Tensor, Tensor]:
         """(r, sample weight) of every sample, global order: advantages -> flowgrpo.core's nft_optimality."""
-        cfg = self.trainer.cfg
+        cfg = self.ctx.cfg
         L = rollout.tree.leaves.shape[1]
         values = rollout.leaf_values
         batch = GroupBatch(
@@ -134,11 +129,11 @@ class NFTMethod(Method):
         return result.advantages.reshape(-1).float(), result.sample_weight.reshape(-1).float()
 
     def update(self, rollout: ScoredRollout, record: dict[str, Any]) -> None:
-        t = self.trainer
-        cfg, nft, tree = t.cfg, t.cfg.nft, rollout.tree
+        ctx = self.ctx
+        cfg, nft, tree, adapter = ctx.cfg, ctx.cfg.nft, rollout.tree, ctx.adapter
         L = tree.leaves.shape[1]
         opt_r, weight = self.optimality(rollout, record)
-        mine, _ = t.dist.localize(torch.arange(opt_r.numel()), cfg.rollout_prompts * L)
+        mine, _ = ctx.dist.localize(torch.arange(opt_r.numel()), cfg.rollout_prompts * L)
         weight, opt_r = weight[mine], opt_r[mine]  # this rank's samples, in local order
         x0 = tree.leaf_latents().flatten(0, 1)
         prompt_of = torch.arange(tree.num_prompts).repeat_interleave(L)
@@ -148,61 +143,70 @@ class NFTMethod(Method):
         if sig is None:
             raise ConfigError("method 'nft' needs a flow-matching model (sigma schedule)")
         n_t = max(1, int((len(sig) - 1) * nft.timestep_fraction))
-        embeds = t.adapter.encode_prompts(rollout.prompts)
-        counters = t.sampler.counters
-        metrics_sum, n_terms, backwards, padding = 0.0, 0, 0, 0
-        total = max(t.dist.sum(float(keep.numel())) * int(n_t), 1.0)
+        embeds = adapter.encode_prompts(rollout.prompts)
+        counters = ctx.sampler.counters
+        total = max(ctx.dist.sum(float(keep.numel())) * int(n_t), 1.0)
+        terms = {"sum": 0.0, "n": 0}
 
-        def backward(micro: Tensor, time_: Tensor, eps: Tensor, r: Tensor, scale: float) -> Tensor:
-            """One forward-process term of `micro`'s samples at grid times `time_`, back-propagated; its
-            per-sample losses."""
+        def term_loss(micro: Tensor, time_: Tensor, eps: Tensor, r: Tensor) -> tuple[Tensor, Tensor]:
+            """One forward-process term of `micro`'s samples at grid times `time_`: its loss and per-sample losses."""
             x_0 = x0[micro].float()
             tt = time_.to(x_0.device).view(-1, 1, 1, 1)
             x_t = (1 - tt) * x_0 + tt * eps.to(x_0.device)
             rows = embeds.index(prompt_of[micro])
-            with torch.no_grad(), active_lora(t.adapter, "old") as old:
+            with torch.no_grad(), active_lora(adapter, "old") as old:
                 v_old = old.model_output(x_t, time_, rows, cfg.sampler.guidance_scale, "none")
-            v = t.adapter.model_output(x_t, time_, rows, cfg.sampler.guidance_scale, "none")
+            v = adapter.model_output(x_t, time_, rows, cfg.sampler.guidance_scale, "none")
             per = nft_loss(v, v_old, x_t, x_0, time_, r.to(v.device), beta=nft.beta, adv_max=nft.adv_max)
             loss = per.sum() / total * cfg.train.mini_batches
             if nft.kl_coef:
-                with torch.no_grad(), t.reference() as ref:
+                with torch.no_grad(), ctx.reference() as ref:
                     v_ref = ref.model_output(x_t, time_, rows, cfg.sampler.guidance_scale, "none")
                 loss = loss + nft.kl_coef * ((v - v_ref) ** 2).flatten(1).mean(1).sum() / total
-            t.optimizer_step.backward(loss * scale)
-            return per.detach()
+            return loss, per.detach()
 
-        for epoch in range(cfg.train.inner_epochs):
-            g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + t.step * 1009 + epoch)
-            order = keep[torch.randperm(keep.numel(), generator=g)]
-            minis = list(order.chunk(cfg.train.mini_batches)) if keep.numel() else []
-            minis += [keep[:0]] * (t.dist.most(len(minis)) - len(minis))  # every rank steps the optimizer alike
-            for mini in minis:
-                micros = mini.split(cfg.train.micro_batch_size)
-                for _ in range(t.dist.passes_to_pad(len(micros) * n_t)):  # sharded: as many as the busiest rank
-                    backward(torch.zeros(1, dtype=torch.long), sig[:1], torch.zeros_like(x0[:1]).float(),
-                             torch.zeros(1), 0.0)  # fmt: skip
-                    padding += 1
-                for micro in micros:
-                    # each sample trains on n_t grid times, fresh noise every time
-                    times = torch.stack([torch.randperm(len(sig) - 1, generator=g)[:n_t] for _ in micro])
-                    for j in range(n_t):
-                        eps = torch.randn(x0[micro].shape, generator=g)
-                        per = backward(micro, sig[times[:, j]], eps, opt_r[micro], 1.0)
-                        counters.nfe_nograd += micro.numel() * (2 if nft.kl_coef else 1)
-                        counters.nfe_grad += micro.numel()
-                        backwards += 1
-                        metrics_sum += float(per.sum())
-                        n_terms += micro.numel()
-                t.optimizer_step()
-        decay = old_decay(t.optimizer_step.total, nft.decay)  # optimizer steps so far, as the release's global_step
-        soft_update(self.old_params, t.params, decay)
+        def micro_loss(term: tuple[Tensor, Tensor, Tensor], norm: Any, on_policy: bool) -> MicroLoss:
+            micro, time_, eps = term
+            loss, per = term_loss(micro, time_, eps, opt_r[micro])
+            counters.nfe_nograd += micro.numel() * (2 if nft.kl_coef else 1)
+            counters.nfe_grad += micro.numel()
+            terms["sum"] += float(per.sum())
+            terms["n"] += micro.numel()
+            return MicroLoss(loss)
+
+        def padding_loss(norm: Any) -> Tensor:
+            zero = torch.zeros(1)
+            return term_loss(torch.zeros(1, dtype=torch.long), sig[:1], torch.zeros_like(x0[:1]).float(), zero)[0]
+
+        def passes() -> Iterator[list[MiniBatch]]:
+            for epoch in range(cfg.train.inner_epochs):
+                g = pass_generator(cfg.seed, ctx.iteration, epoch)
+                order = keep[torch.randperm(keep.numel(), generator=g)]
+                minis = list(order.chunk(cfg.train.mini_batches)) if keep.numel() else []
+                minis += [keep[:0]] * (ctx.dist.most(len(minis)) - len(minis))  # every rank steps the optimizer alike
+                yield [MiniBatch(self._terms(mini, g, x0, len(sig) - 1, n_t, sig)) for mini in minis]
+
+        result = run_update(passes(), micro_loss, padding_loss, ctx.optimizer_step, ctx.dist)
+        decay = old_decay(ctx.optimizer_step.total, nft.decay)  # optimizer steps so far, as the release's global_step
+        soft_update(self.old_params, ctx.params, decay)
         record.update(
             {
-                "loss/policy": metrics_sum / max(n_terms, 1),
+                "loss/policy": terms["sum"] / max(terms["n"], 1),
                 "nft/old_decay": decay,
-                "backward_passes": backwards,
-                **({"padding_passes": padding} if t.dist.lockstep else {}),
+                "backward_passes": result.backward_passes,
+                **({"padding_passes": result.padding_passes} if ctx.dist.lockstep else {}),
                 "nft/mean_r": float(opt_r[keep].mean()) if keep.numel() else math.nan,
             }
         )
+
+    def _terms(
+        self, mini: Tensor, g: torch.Generator, x0: Tensor, n_grid: int, n_t: int, sig: Tensor
+    ) -> list[tuple[Tensor, Tensor, Tensor]]:
+        """A mini-batch's forward-process terms, one backward each: every sample of a micro-batch trains on n_t
+        grid times, fresh noise every time (drawn in the release's order: a micro-batch's times, then its noises)."""
+        out: list[tuple[Tensor, Tensor, Tensor]] = []
+        for micro in mini.split(self.ctx.cfg.train.micro_batch_size) if mini.numel() else ():  # an empty mini: none
+            times = torch.stack([torch.randperm(n_grid, generator=g)[:n_t] for _ in micro])
+            for j in range(n_t):
+                out.append((micro, sig[times[:, j]], torch.randn(x0[micro].shape, generator=g)))
+        return out

@@ -24,16 +24,15 @@ import torch
 
 from ..checkpoint import Checkpoint, load_into
 from ..config import ConfigError
-from ..core.advantages import ESTIMATORS
 from ..scaling.sharding import full_state
 from ..run import CheckpointParts, OptimizerStep, PromptSampler, RunLoop, build_ema, build_optimizer
 from . import adversarial, grpo, nft  # noqa: F401  (register the methods)
 from . import artifacts
 from .config import T2IConfig
 from .data import PromptSet, load_prompt_set
-from .methods import ScoredRollout, build_method, method_class
+from .methods import ImageContext, ScoredRollout, build_method, method_class
 from .model import build_policy, reference_context, shard_policy
-from .rewards import RewardStage
+from .reward_stage import RewardStage
 
 
 class T2ITrainer(RunLoop):
@@ -51,23 +50,10 @@ class T2ITrainer(RunLoop):
         self.eval_prompts = load_prompt_set(
             cfg.data.eval_prompts, cfg.data.eval_path, "data (eval)"
         ) or self.prompts.take(list(range(min(4, len(self.prompts)))))
-        chunks = cfg.prompts_per_iteration // cfg.rollout_prompts * cfg.rollout_split
-        if chunks % self.dist.world_size:
-            raise ConfigError(
-                f"prompts_per_iteration / rollout_prompts x rollout_split = {chunks} rollout batches must divide "
-                f"evenly over {self.dist.world_size} processes (rollout_split lets a group straddle ranks)"
-            )
         try:
             self.rewards = RewardStage(cfg.rewards, cfg.reward_workers)
         except (ValueError, KeyError) as err:
             raise ConfigError(f"rewards: {err}") from None
-        if self.rewards.has_pairwise and cfg.rollout_split > 1:
-            raise ConfigError("a pairwise reward compares a whole group's images: it needs rollout_split 1")
-        if self.rewards.has_pairwise and "step_rewards" in ESTIMATORS.get(cfg.advantage.estimator.name).requires:
-            raise ConfigError(
-                "a pairwise reward compares the final images of a group; the per-step estimator "
-                f"'{cfg.advantage.estimator.name}' needs pointwise probe rewards"
-            )
 
         from pipelines.sampler import Sampler
 
@@ -89,7 +75,13 @@ class T2ITrainer(RunLoop):
             self.params, self.optimizer, cfg.optim.max_grad_norm, self.dist, self.ema, guard=self.guard,
             module=self.adapter.denoiser,
         )  # fmt: skip
-        self.method = build_method(self)
+        self.method = build_method(
+            ImageContext(
+                cfg=cfg, dist=self.dist, optimizer_step=self.optimizer_step, params=self.params,
+                reference=self.reference, completed=lambda: self.step, adapter=self.adapter, sampler=self.sampler,
+                ema=self.ema, scorer=self.rewards.scorer,
+            )
+        )  # fmt: skip
         self.prompt_sampler = PromptSampler(len(self.prompts), cfg.seed, cfg.data.shuffle)
         self.trackers: artifacts.Trackers | None = None  # rank 0 opens them with its first record
         if cfg.resume:

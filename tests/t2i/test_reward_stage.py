@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flowgrpo.t2i.config import RewardConfig
-from flowgrpo.t2i.rewards import RewardStage
+from flowgrpo.t2i.reward_stage import RewardStage
 
 
 def _decode_recording(threads: list):

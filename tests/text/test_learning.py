@@ -72,7 +72,7 @@ def test_first_pass_ratio_is_one(tiny_config):
             warnings.simplefilter("error", OnPolicyRatioWarning)
             history = train_text(
                 tiny_config(
-                    "steps=3",
+                    "iterations=3",
                     "checkpoint.every=0",
                     "train.micro_batch_size=5",
                     "train.logprob_batch_size=7",
@@ -86,17 +86,17 @@ def test_first_pass_ratio_is_one(tiny_config):
 
 def test_ratio_check_warns_loudly_when_off_policy(tiny_config, monkeypatch):
     """Shift the old log-probs by 0.01: the check reports the deviation and warns."""
-    import flowgrpo.text.trainer as trainer_mod
+    from flowgrpo.text.grpo import TextGRPOMethod
 
-    real = trainer_mod.TextGRPOTrainer._all_logprobs
+    real = TextGRPOMethod._all_logprobs
 
     def shifted(*args, **kwargs):
         out = real(*args, **kwargs)
         return dataclasses.replace(out, logp=out.logp + 0.01)
 
-    monkeypatch.setattr(trainer_mod.TextGRPOTrainer, "_all_logprobs", shifted)
+    monkeypatch.setattr(TextGRPOMethod, "_all_logprobs", shifted)
     with pytest.warns(OnPolicyRatioWarning, match="ON-POLICY CHECK FAILED"):
-        history = train_text(tiny_config("steps=1", "checkpoint.every=0"))
+        history = train_text(tiny_config("iterations=1", "checkpoint.every=0"))
     assert history[0]["check/rows"] > 0
     assert abs(history[0]["check/first_pass_ratio_dev"] - (1 - math.exp(-0.01))) < 1e-4
 
@@ -104,7 +104,7 @@ def test_ratio_check_warns_loudly_when_off_policy(tiny_config, monkeypatch):
 def test_one_update_per_batch_checks_a_few_rows_cheaply(tiny_config):
     """inner_epochs 1: the loss needs no old pass; the check re-scores `rows` sequences only, and the
     entropy metric comes from the training forward."""
-    common = ["steps=2", "checkpoint.every=0", "train.inner_epochs=1", "train.micro_batch_size=8"]
+    common = ["iterations=2", "checkpoint.every=0", "train.inner_epochs=1", "train.micro_batch_size=8"]
     history = train_text(tiny_config(*common, name="few"))
     assert history[0]["check/shared_prompt_deviation"] < 1e-5 and history[0]["train/shared_prompt"] == 1
     for r in history:  # step 1 also compares the shared-prompt forward with the plain one (2 passes)
@@ -125,15 +125,15 @@ def test_cheap_check_still_catches_an_off_policy_rescoring(tiny_config, monkeypa
     """Shift the no-grad re-scoring (the check's) by 0.01: the few-row check sees it and warns."""
     import torch
 
-    import flowgrpo.text.trainer as trainer_mod
+    import flowgrpo.text.grpo as grpo_mod
 
-    real = trainer_mod.micro_logprobs
+    real = grpo_mod.micro_logprobs
 
     def shifted(*args, **kwargs):
         scored = real(*args, **kwargs)
         return scored if torch.is_grad_enabled() else dataclasses.replace(scored, logp=scored.logp + 0.01)
 
-    monkeypatch.setattr(trainer_mod, "micro_logprobs", shifted)
+    monkeypatch.setattr(grpo_mod, "micro_logprobs", shifted)
     with pytest.warns(OnPolicyRatioWarning, match="ON-POLICY CHECK FAILED"):
-        history = train_text(tiny_config("steps=1", "checkpoint.every=0", "train.inner_epochs=1"))
+        history = train_text(tiny_config("iterations=1", "checkpoint.every=0", "train.inner_epochs=1"))
     assert abs(history[0]["check/first_pass_ratio_dev"] - (1 - math.exp(-0.01))) < 1e-4

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flowgrpo.text import train_text
-from flowgrpo.text.config import GenerationConfig, LoraConfig, TinyModelConfig
+from flowgrpo.text.config import GenerationConfig, LoraSettings, TinyModelConfig
 from flowgrpo.text.generation import TransformersGenerator
 from flowgrpo.text.logprobs import micro_logprobs, sampler_deviation, shared_prompt_deviation
 from flowgrpo.text.models import apply_lora, build_tiny_model, build_tiny_tokenizer
@@ -36,7 +36,7 @@ def _rollout(model, tok, eos_bias=0.0):
     if eos_bias:  # make end-of-sequence likely, so completions have different lengths
         with torch.no_grad():
             model.lm_head.weight[tok.eos_token_id] += eos_bias
-    gen = TransformersGenerator(model, tok, GenerationConfig(group_size=4, max_new_tokens=10, batch_size=64))
+    gen = TransformersGenerator(model, tok, GenerationConfig(max_new_tokens=10, batch_size=64), group_size=4)
     prompts = [tok(t)["input_ids"] for t in ("ab", "hello there, friend", "x", "abc def")]
     return gen.generate(prompts, [0, 1, 2, 3])
 
@@ -49,7 +49,7 @@ def test_shared_prompt_forward_equals_plain_forward_and_grads(family):
     r = _rollout(model, tok, eos_bias=3.0)
     assert len(set(r.lengths.tolist())) > 1  # ragged completions
     if family.endswith("lora"):
-        model = apply_lora(model, LoraConfig(enabled=True, r=4))
+        model = apply_lora(model, LoraSettings(enabled=True, rank=4))
         with torch.no_grad():  # a non-zero adapter, so its gradients are not trivially zero
             for n, p in model.named_parameters():
                 if "lora_B" in n:
@@ -91,18 +91,18 @@ def test_rows_without_shared_prompts_take_the_plain_path(monkeypatch):
 
 
 def test_trainer_uses_it_only_when_it_agrees(tiny_config, monkeypatch):
-    on = train_text(tiny_config("steps=2", "checkpoint.every=0", name="auto"))
+    on = train_text(tiny_config("iterations=2", "checkpoint.every=0", name="auto"))
     assert [r["train/shared_prompt"] for r in on] == [1, 1]
-    off = train_text(tiny_config("steps=2", "checkpoint.every=0", "train.shared_prompt=false", name="off"))
+    off = train_text(tiny_config("iterations=2", "checkpoint.every=0", "train.shared_prompt=false", name="off"))
     assert [r["train/shared_prompt"] for r in off] == [0, 0] and "check/shared_prompt_deviation" not in off[0]
     # same samples and nearly the same updates whichever forward is used
     assert on[0]["reward_mean"] == off[0]["reward_mean"]
     assert on[1]["grad_norm"] == pytest.approx(off[1]["grad_norm"], rel=1e-3)
 
-    import flowgrpo.text.trainer as trainer_mod
+    import flowgrpo.text.grpo as grpo_mod
 
-    monkeypatch.setattr(trainer_mod, "shared_prompt_deviation", lambda *a, **k: 1e-3)  # e.g. a bf16 model
-    disagree = train_text(tiny_config("steps=1", "checkpoint.every=0", name="disagree"))
+    monkeypatch.setattr(grpo_mod, "shared_prompt_deviation", lambda *a, **k: 1e-3)  # e.g. a bf16 model
+    disagree = train_text(tiny_config("iterations=1", "checkpoint.every=0", name="disagree"))
     assert disagree[0]["train/shared_prompt"] == 0 and disagree[0]["check/shared_prompt_deviation"] == 1e-3
 
 
@@ -119,7 +119,7 @@ def test_bf16_shared_path_is_within_the_sampler_gap():
     tiny = TinyModelConfig(hidden_size=256, num_layers=4, intermediate_size=512)
     model = build_tiny_model(tiny, len(tok), tok.eos_token_id).to(torch.bfloat16).eval()
     gen = TransformersGenerator(
-        model, tok, GenerationConfig(group_size=8, max_new_tokens=32, batch_size=64, rollout_logprobs=True)
+        model, tok, GenerationConfig(max_new_tokens=32, batch_size=64, rollout_logprobs=True), group_size=8
     )
     prompts = [tok(t)["input_ids"] for t in ("ab", "hello there, friend", "x", "abc def")]
     r = gen.generate(prompts, [0, 1, 2, 3], seed=0)
@@ -139,10 +139,10 @@ def test_bf16_shared_path_is_within_the_sampler_gap():
     ids=["within-the-sampler-gap", "beyond-it", "fp32-agreement", "no-sampler-log-probs"],
 )
 def test_trainer_allows_the_shared_path_as_far_as_the_sampler_is(tiny_config, monkeypatch, deviation, floor, on):
-    import flowgrpo.text.trainer as trainer_mod
+    import flowgrpo.text.grpo as grpo_mod
 
-    monkeypatch.setattr(trainer_mod, "shared_prompt_deviation", lambda *a, **k: deviation)
-    monkeypatch.setattr(trainer_mod, "sampler_deviation", lambda *a, **k: floor)
-    record = train_text(tiny_config("steps=1", "checkpoint.every=0", "generation.rollout_logprobs=true"))[0]
+    monkeypatch.setattr(grpo_mod, "shared_prompt_deviation", lambda *a, **k: deviation)
+    monkeypatch.setattr(grpo_mod, "sampler_deviation", lambda *a, **k: floor)
+    record = train_text(tiny_config("iterations=1", "checkpoint.every=0", "generation.rollout_logprobs=true"))[0]
     assert record["train/shared_prompt"] == on and record["check/shared_prompt_deviation"] == deviation
     assert record.get("check/shared_prompt_floor") == floor
