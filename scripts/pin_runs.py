@@ -98,7 +98,7 @@ def _runs() -> dict[str, Run]:
         for name in names
     }
     runs["demo"] = Run("t2i", "configs/t2i/demo.yaml", ("iterations=2", *T2I_COMMON))
-    runs["tiny_pattern"] = Run("text", "configs/text/tiny_pattern.yaml", ("steps=2", *TEXT_COMMON))
+    runs["tiny_pattern"] = Run("text", "configs/text/tiny_pattern.yaml", ("iterations=2", *TEXT_COMMON))
     return runs
 
 

@@ -132,7 +132,7 @@ def _text_run(out) -> list[dict]:
     root = Path(__file__).resolve().parents[1]
     cfg = load_text_config(
         root / "configs" / "text" / "tiny_pattern.yaml",
-        [f"output_dir={out}", "steps=1", "checkpoint.save_final_model=false", *QUIET],
+        [f"output_dir={out}", "iterations=1", "checkpoint.save_final_model=false", *QUIET],
     )
     return train_text(cfg)
 

@@ -55,17 +55,17 @@ def text_check(sizes: models.Sizes, info: DeviceInfo, dtype: torch.dtype, backen
         if full:
             precision = ["model.dtype=float32", f"model.autocast={name}", "train.gradient_checkpointing=true"]
         else:
-            precision = [f"model.dtype={name}", "model.lora.enabled=true", "model.lora.r=16", "model.lora.alpha=32"]
+            precision = [f"model.dtype={name}", "model.lora.enabled=true", "model.lora.rank=16", "model.lora.alpha=32"]
         overrides = [
             f"model.name_or_path={folder}",
             *precision,
             f"model.device={info.device}",
             f"generation.backend={backend}",
-            f"generation.prompts_per_step={sizes.text_prompts}",
-            f"generation.group_size={sizes.text_group}",
+            f"prompts_per_iteration={sizes.text_prompts}",
+            f"group_size={sizes.text_group}",
             f"generation.max_new_tokens={sizes.text_new_tokens}",
             "generation.vllm.gpu_memory_utilization=0.3",
-            f"steps={steps}",
+            f"iterations={steps}",
             "progress=false",
             f"output_dir={Path(tmp) / 'run'}",
             "checkpoint.save_final_model=false",

@@ -1,7 +1,7 @@
 """The text trainer's rollout phase: generate P x G completions, score them, and (DAPO) refill the batch.
 
 Chunk c of a step's prompts is sampled with its own seed and scored on rank c % world_size; every rank
-gets the whole batch back in chunk order. With `generation.rollout_split: k` each chunk is sampled as k parts
+gets the whole batch back in chunk order. With `rollout_split: k` each chunk is sampled as k parts
 (G / k completions of each of its prompts, each part its own seed and rank), joined back into whole groups. With dynamic sampling, groups whose rewards do not vary are
 dropped and more prompts are generated, for a bounded number of extra rounds.
 """
@@ -101,8 +101,8 @@ class Collector:
         self, index: list[int], step: int, round_: int
     ) -> tuple[Rollout, RewardScores, float, float]:
         """The whole batch on every rank, and this rank's generate / reward seconds."""
-        gen = self.cfg.generation
-        per_call, k = prompts_per_call(gen), gen.rollout_split
+        G, k = self.cfg.group_size, self.cfg.rollout_split
+        per_call = prompts_per_call(self.cfg.generation, G)
         chunks = [index[s : s + per_call] for s in range(0, len(index), per_call)]
         local: list[tuple[int, Any, Any]] = []
         t_gen, t_rew, failure = 0.0, 0.0, None
@@ -115,7 +115,7 @@ class Collector:
                 t0 = time.perf_counter()
                 prompts = chunks[c // k]
                 rollout = self.generator.generate(
-                    [self.data.prompt_ids[i] for i in prompts], prompts, gen.group_size // k,
+                    [self.data.prompt_ids[i] for i in prompts], prompts, G // k,
                     seed=self._chunk_seed(step, round_, c),
                 )  # fmt: skip
                 t1 = time.perf_counter()
@@ -142,15 +142,15 @@ class Collector:
             [sum(col) for col in zip(*(sc.error_counts for sc in scores))],
         )
         if k > 1:
-            rows = whole_groups([len(c) for c in chunks], k, gen.group_size)
-            rollout = rollout.select_rows(rows, gen.group_size)
+            rows = whole_groups([len(c) for c in chunks], k, G)
+            rollout = rollout.select_rows(rows, G)
             merged = replace(merged, values=merged.values[rows])
         return rollout, merged, t_gen, t_rew
 
     def collect(self, record: dict[str, Any], step: int) -> Optional[ScoredBatch]:
         """Generate and score P groups; with dynamic sampling, keep only groups whose rewards vary (None: none)."""
-        cfg, ds = self.cfg.generation, self.cfg.dynamic_sampling
-        P, G = cfg.prompts_per_step, cfg.group_size
+        ds = self.cfg.dynamic_sampling
+        P, G = self.cfg.prompts_per_iteration, self.cfg.group_size
         kept_r, kept_s = [], []
         n_kept, rounds, generated = 0, 0, 0
         t_gen = t_rew = 0.0

@@ -10,15 +10,26 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterable, Literal, Optional, Union
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from ..config import load_config, output_dir_problem
+from ..config import load_config, move_renamed_keys, output_dir_problem
 from ..core import AdvantageConfig, LossConfig, PartSpec, StrictModel
+from ..core.advantages import ESTIMATORS
 from ..guards import GuardConfig
 from ..run.config import CheckpointConfig, OptimConfig, RatioCheckConfig
+from .methods import METHODS
 
 # estimators whose advantage needs no other sample of the group
 GROUPLESS_ESTIMATORS = {"psr", "nsr", "w_reinforce"}
+
+# Keys renamed to the image trainer's names (old dotted key -> new): the old ones still load, with a FutureWarning.
+RENAMED_KEYS: dict[str, str] = {
+    "steps": "iterations",
+    "generation.prompts_per_step": "prompts_per_iteration",
+    "generation.group_size": "group_size",
+    "generation.rollout_split": "rollout_split",
+    "model.lora.r": "model.lora.rank",
+}
 
 # Merged under every config file, key by key (a file only states what differs).
 DEFAULTS: dict[str, Any] = {
@@ -40,11 +51,11 @@ class TinyModelConfig(StrictModel):
     init_seed: int = 0  # weights depend on this seed only, not on the run's seed
 
 
-class LoraConfig(StrictModel):
+class LoraSettings(StrictModel):
     """peft LoRA. No dropout: the policy runs in eval mode so that re-scoring a rollout gives ratio 1."""
 
     enabled: bool = False
-    r: int = 8
+    rank: int = Field(8, ge=1)
     alpha: float = 16.0
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
@@ -64,7 +75,7 @@ class ModelConfig(StrictModel):
     # master weights with bf16 matmuls (AdamW on bf16 weights loses updates below bf16's resolution)
     autocast: Optional[Literal["bfloat16", "float16"]] = None
     device: str = "auto"  # auto | cpu | cuda | cuda:1 ...
-    lora: LoraConfig = Field(default_factory=LoraConfig)
+    lora: LoraSettings = Field(default_factory=LoraSettings)
 
     @model_validator(mode="after")
     def _master_weights(self) -> "ModelConfig":
@@ -116,12 +127,10 @@ class VLLMConfig(StrictModel):
 
 
 class GenerationConfig(StrictModel):
-    """G samples per prompt. `transformers`: `generate`, batched, left padding, KV cache. `vllm`: the
+    """How the G samples of a prompt are drawn (P and G: `prompts_per_iteration`, `group_size`). `transformers`: `generate`, batched, left padding, KV cache. `vllm`: the
     colocated vLLM engine (GPU)."""
 
     backend: Literal["transformers", "vllm"] = "transformers"
-    prompts_per_step: int = Field(2, ge=1)  # P
-    group_size: int = Field(8, ge=1)  # G (1 only for estimators without a group baseline)
     max_new_tokens: int = Field(32, ge=1)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -131,9 +140,6 @@ class GenerationConfig(StrictModel):
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
     batch_size: int = Field(64, ge=1)  # sequences per generate call
-    # a chunk's G samples per prompt are drawn in this many parts, each under its own seed on its own rank:
-    # groups straddle ranks, so more ranks than chunks of prompts still all generate (G divisible by it)
-    rollout_split: int = Field(1, ge=1)
     mask_truncated: bool = False  # DAPO overlong filtering: truncated completions leave the loss
     # record the sampler's log-prob of every token (always on with vLLM): the trainer then measures
     # how far the training forward is from it and corrects for it (`rollout_correction`)
@@ -239,10 +245,16 @@ class TextRatioCheckConfig(RatioCheckConfig):
 class TextConfig(StrictModel):
     seed: int = 0
     output_dir: str = "outputs/text"
-    steps: int = Field(20, ge=0)
-    stop_after: Optional[int] = None  # stop at this step (as if interrupted); resume continues to `steps`
+    iterations: int = Field(20, ge=0)  # training steps of the run
+    stop_after: Optional[int] = None  # stop at this step (as if interrupted); resume continues to `iterations`
+    method: str = "grpo"  # a registered text method (flowgrpo.text.methods.METHODS)
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=lambda: DataConfig(task=TaskConfig(name="pattern")))
+    group_size: int = Field(8, ge=1)  # G (1 only for estimators without a group baseline)
+    prompts_per_iteration: int = Field(2, ge=1)  # P
+    # a chunk's G samples per prompt are drawn in this many parts, each under its own seed on its own rank:
+    # groups straddle ranks, so more ranks than chunks of prompts still all generate (G divisible by it)
+    rollout_split: int = Field(1, ge=1)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(name="target_pattern")])
     stop_on_reward_error: bool = False
@@ -260,6 +272,17 @@ class TextConfig(StrictModel):
     num_threads: Optional[int] = None  # torch CPU threads (fix it for bit-exact comparisons)
     deterministic: bool = False  # torch.use_deterministic_algorithms
 
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        return move_renamed_keys(data, RENAMED_KEYS)
+
+    @field_validator("method")
+    @classmethod
+    def _registered_method(cls, name: str) -> str:
+        METHODS.get(name)  # an unknown name fails with the valid ones
+        return name
+
     @model_validator(mode="after")
     def _check(self) -> "TextConfig":
         if not self.rewards:
@@ -267,16 +290,21 @@ class TextConfig(StrictModel):
         if problem := output_dir_problem(self.output_dir):
             raise ValueError(problem)
         est = self.advantage.estimator.name
-        if self.generation.group_size < 2 and est not in GROUPLESS_ESTIMATORS:
+        reads = ESTIMATORS.get(est).reads  # what the estimator reads, from its registry entry
+        if reads != "final":
             raise ValueError(
-                f"generation.group_size 1: estimator '{est}' compares the samples of a group, so "
+                f"advantage estimator '{est}' reads {reads} (an image rollout's); the text trainer gives it each "
+                "completion's final reward and uses one advantage per completion"
+            )
+        if self.group_size < 2 and est not in GROUPLESS_ESTIMATORS:
+            raise ValueError(
+                f"group_size 1: estimator '{est}' compares the samples of a group, so "
                 f"one sample has advantage 0 and nothing is learnt; use >= 2 (or one of "
                 f"{sorted(GROUPLESS_ESTIMATORS)})"
             )
-        gen = self.generation
-        if gen.group_size % gen.rollout_split:
+        if self.group_size % self.rollout_split:
             raise ValueError(
-                f"generation.rollout_split {gen.rollout_split} must divide generation.group_size {gen.group_size} "
+                f"rollout_split {self.rollout_split} must divide group_size {self.group_size} "
                 "(each part samples group_size / rollout_split completions of every prompt)"
             )
         labels = [r.label for r in self.rewards]
@@ -288,9 +316,15 @@ class TextConfig(StrictModel):
                 "generation.backend vllm needs a model vLLM can load (model.name_or_path: a folder "
                 "or hub id), not the in-code tiny model"
             )
+        METHODS.get(self.method).fn.check_config(self)  # the method's own rules, registered with it
         return self
+
+
+def migrate_saved_config(data: dict) -> dict:
+    """A config dict saved before the renames (a checkpoint's `config`) under today's key names, without a warning."""
+    return move_renamed_keys(data, RENAMED_KEYS, warn=False)
 
 
 def load_text_config(path: Optional[str | Path] = None, overrides: Iterable[str] = ()) -> TextConfig:
     """YAML file + key=value overrides over the embedded defaults."""
-    return load_config(TextConfig, path, overrides, defaults=DEFAULTS)
+    return load_config(TextConfig, path, overrides, defaults=DEFAULTS, renamed=RENAMED_KEYS)

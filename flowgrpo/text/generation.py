@@ -156,9 +156,9 @@ class SampledLogprobRecorder:
         return out[:, : completion_tokens.shape[1]]
 
 
-def prompts_per_call(cfg: GenerationConfig, group_size: Optional[int] = None) -> int:
+def prompts_per_call(cfg: GenerationConfig, group_size: int) -> int:
     """Prompts per generate call: `batch_size` sequences at most, at least one prompt."""
-    return max(1, cfg.batch_size // (group_size or cfg.group_size))
+    return max(1, cfg.batch_size // group_size)
 
 
 def seeded(seed: Optional[int], device: torch.device):
@@ -180,12 +180,13 @@ def seeded(seed: Optional[int], device: torch.device):
 
 
 class TransformersGenerator:
-    """Samples with `model.generate` under the configured sampling settings (recorded in `settings`)."""
+    """Samples with `model.generate` under the configured sampling settings (recorded in `settings`);
+    `group_size` completions per prompt unless a call asks for another number."""
 
-    def __init__(self, model, tokenizer, cfg: GenerationConfig, synced: bool = False):
+    def __init__(self, model, tokenizer, cfg: GenerationConfig, group_size: int, synced: bool = False):
         from transformers import GenerationConfig as HFGenerationConfig
 
-        self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
+        self.model, self.tokenizer, self.cfg, self.group_size = model, tokenizer, cfg, group_size
         # a sharded model: every rank runs a forward per token until the last rank's sequences end
         self.synced = synced
         self.pad_id = tokenizer.pad_token_id
@@ -206,7 +207,7 @@ class TransformersGenerator:
 
     @property
     def settings(self) -> dict[str, float]:
-        return sampling_settings(self.cfg)
+        return sampling_settings(self.cfg, self.group_size)
 
     def sync_weights(self) -> None:
         """Nothing to do: generate runs on the policy itself."""
@@ -221,7 +222,7 @@ class TransformersGenerator:
     ) -> Rollout:
         from transformers import LogitsProcessorList
 
-        G = group_size or self.cfg.group_size
+        G = group_size or self.group_size
         per_call = prompts_per_call(self.cfg, G)
         device = next(self.model.parameters()).device
         parts = []
@@ -266,14 +267,14 @@ def finalize(rollout: Rollout, pad_id: int) -> Rollout:
     return rollout
 
 
-def sampling_settings(cfg: GenerationConfig) -> dict[str, float]:
+def sampling_settings(cfg: GenerationConfig, group_size: int) -> dict[str, float]:
     """The sampling settings, as metrics of every step."""
     out = {
         "sampling/temperature": cfg.temperature,
         "sampling/top_p": cfg.top_p,
         "sampling/top_k": cfg.top_k,
         "sampling/max_new_tokens": cfg.max_new_tokens,
-        "sampling/group_size": cfg.group_size,
+        "sampling/group_size": group_size,
     }
     if cfg.min_p is not None:
         out["sampling/min_p"] = cfg.min_p

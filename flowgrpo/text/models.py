@@ -18,7 +18,7 @@ import torch
 
 from reward_models.placement import resolve_device, resolve_dtype
 
-from .config import LoraConfig, ModelConfig, TinyModelConfig
+from .config import LoraSettings, ModelConfig, TinyModelConfig
 from .precision import autocast_forwards
 
 log = logging.getLogger(__name__)
@@ -209,13 +209,17 @@ def load_policy(cfg: ModelConfig):
     return tokenizer, model
 
 
-def apply_lora(model, cfg: LoraConfig):
+def apply_lora(model, cfg: LoraSettings):
     """Wrap with peft LoRA (B = 0 at init: the first policy equals the base model)."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
     peft_cfg = PeftLoraConfig(
-        r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=0.0, target_modules=list(cfg.target_modules), task_type="CAUSAL_LM"
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=0.0,
+        target_modules=list(cfg.target_modules),
+        task_type="CAUSAL_LM",
     )
     return get_peft_model(model, peft_cfg)
 

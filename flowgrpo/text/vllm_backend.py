@@ -81,7 +81,7 @@ class VLLMGenerator:
     Always records the sampler's log-prob of every token (`Rollout.rollout_logp`).
     """
 
-    def __init__(self, model, tokenizer, cfg: GenerationConfig, model_path: str, max_prompt_len: int):
+    def __init__(self, model, tokenizer, cfg: GenerationConfig, group_size: int, model_path: str, max_prompt_len: int):
         try:
             import vllm
         except ImportError as err:
@@ -89,7 +89,7 @@ class VLLMGenerator:
         if cfg.vllm.tensor_parallel_size != 1:
             # the in-process weight sync reaches the driver worker only: other ranks would keep old weights
             raise ValueError("generation.vllm.tensor_parallel_size: only 1 is supported (colocated weight sync)")
-        self.model, self.cfg, self.vllm = model, cfg, vllm
+        self.model, self.cfg, self.group_size, self.vllm = model, cfg, group_size, vllm
         self.pad_id = tokenizer.pad_token_id
         self.eos_ids = eos_token_ids(model, tokenizer)
         # the engine (and its model) in this process, not in a worker process: sync_weights writes into it
@@ -110,7 +110,7 @@ class VLLMGenerator:
 
     @property
     def settings(self) -> dict[str, float]:
-        return {**sampling_settings(self.cfg), "sampling/backend_vllm": 1}
+        return {**sampling_settings(self.cfg, self.group_size), "sampling/backend_vllm": 1}
 
     def _wake(self) -> None:
         if self.asleep and hasattr(self.llm, "wake_up"):
@@ -158,7 +158,7 @@ class VLLMGenerator:
         group_size: Optional[int] = None,
         seed: Optional[int] = None,
     ) -> Rollout:
-        G = group_size or self.cfg.group_size
+        G = group_size or self.group_size
         self._wake()
         try:
             outputs = self.llm.generate(

@@ -24,7 +24,7 @@ def test_train_text_runs_without_torchvision(tmp_path):
     done = run_cli(
         "train-text",
         str(ROOT / "configs/text/tiny_pattern.yaml"),
-        "steps=1",
+        "iterations=1",
         "progress=false",
         f"output_dir={tmp_path / 'run'}",
         cwd=tmp_path,

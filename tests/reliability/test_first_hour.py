@@ -118,7 +118,7 @@ def test_settings_that_cannot_work_fail_before_any_folder(tmp_path):
     for command, config, bad in (
         ("train-t2i", T2I_TINY, "sampler.num_steps=0"),
         ("train-t2i", T2I_TINY, "sampler.height=0"),
-        ("train-text", TEXT_TINY, "generation.group_size=1"),
+        ("train-text", TEXT_TINY, "group_size=1"),
     ):
         out = tmp_path / bad.replace("=", "_")
         done = run_cli(command, config, f"output_dir={out}", bad, cwd=tmp_path)

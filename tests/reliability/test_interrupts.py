@@ -51,7 +51,7 @@ def test_text_signal_saves_and_resume_continues(tmp_path, sig):
         "checkpoint.every=0",
         f"output_dir={tmp_path / 'run'}",
     ]
-    proc = _start(tmp_path, *args, "steps=200")
+    proc = _start(tmp_path, *args, "iterations=200")
     _wait_for_records(tmp_path / "run" / "metrics.jsonl", 2, proc)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
@@ -61,7 +61,7 @@ def test_text_signal_saves_and_resume_continues(tmp_path, sig):
     assert saved is not None, "checkpoint.every=0 (only at the end) still saves on the signal"
     step = int(saved.name.split("_")[1])
     assert step >= 2
-    resumed = _start(tmp_path, *args, f"steps={step + 1}", "resume=true")
+    resumed = _start(tmp_path, *args, f"iterations={step + 1}", "resume=true")
     _, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err[-2000:]
     assert [r["iteration"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == list(range(1, step + 2))

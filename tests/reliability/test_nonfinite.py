@@ -50,7 +50,7 @@ def _all_finite(ckpt) -> bool:
 
 
 def test_text_huge_rewards_never_step_or_save_and_stop(tmp_path):
-    done = _text(tmp_path, "huge_on_half", "steps=8", "checkpoint.every=1", "guards.max_bad_updates=3")
+    done = _text(tmp_path, "huge_on_half", "iterations=8", "checkpoint.every=1", "guards.max_bad_updates=3")
     assert done.returncode == 2, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("flowgrpo: stopped at step 3") and "3 steps in a row" in last
@@ -65,14 +65,14 @@ def test_text_huge_rewards_never_step_or_save_and_stop(tmp_path):
 
 
 def test_text_all_none_rewards_warn_and_stop(tmp_path):
-    done = _text(tmp_path, "nothing", "steps=6", "guards.max_bad_updates=2")
+    done = _text(tmp_path, "nothing", "iterations=6", "guards.max_bad_updates=2")
     assert done.returncode == 2, done.stderr[-2000:]
     assert "no finite reward" in done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("flowgrpo: stopped at step 2")
 
 
 def test_text_inf_rewards_are_left_out_with_counts(tmp_path):
-    done = _text(tmp_path, "inf_on_some", "steps=2")
+    done = _text(tmp_path, "inf_on_some", "iterations=2")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "4 of 16 rewards inf (left out)" in done.stderr
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")

@@ -29,11 +29,11 @@ def _text(tmp_path: Path, *extra: str):
 
 
 def test_resume_after_a_torn_metrics_line(tmp_path):
-    assert _text(tmp_path, "steps=2").returncode == 0
+    assert _text(tmp_path, "iterations=2").returncode == 0
     metrics = tmp_path / "run" / "metrics.jsonl"
     with metrics.open("a") as f:
         f.write('{"iteration": 3, "reward_mean": 0.4')  # a crash mid-write: no closing brace, no newline
-    done = _text(tmp_path, "steps=4", "resume=true")
+    done = _text(tmp_path, "iterations=4", "resume=true")
     assert done.returncode == 0, done.stderr[-2000:]
     assert [r["iteration"] for r in read_metrics(metrics)] == [1, 2, 3, 4]
 
@@ -62,7 +62,7 @@ def _first(folder: Path, pattern: str) -> Path:
 
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 def test_resume_falls_back_past_a_damaged_checkpoint(tmp_path, damage):
-    assert _text(tmp_path, "steps=3").returncode == 0
+    assert _text(tmp_path, "iterations=3").returncode == 0
     ckpts = tmp_path / "run" / "checkpoints"
     weights = _first(ckpts / "step_00000003", "tensors.*.safetensors")
     data = weights.read_bytes()
@@ -70,7 +70,7 @@ def test_resume_falls_back_past_a_damaged_checkpoint(tmp_path, damage):
         weights.write_bytes(data[: len(data) // 2])
     else:  # same size, one byte changed
         weights.write_bytes(data[:-10] + bytes([data[-10] ^ 0xFF]) + data[-9:])
-    done = _text(tmp_path, "steps=4", "resume=true")
+    done = _text(tmp_path, "iterations=4", "resume=true")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "step_00000003 is damaged" in done.stderr and weights.name in done.stderr
     assert "resumed from" in done.stderr and "step_00000002" in done.stderr
@@ -78,10 +78,10 @@ def test_resume_falls_back_past_a_damaged_checkpoint(tmp_path, damage):
 
 
 def test_every_checkpoint_damaged_is_one_line(tmp_path):
-    assert _text(tmp_path, "steps=1").returncode == 0
+    assert _text(tmp_path, "iterations=1").returncode == 0
     weights = _first(tmp_path / "run" / "checkpoints" / "step_00000001", "tensors.*.safetensors")
     weights.write_bytes(weights.read_bytes()[:100])
-    done = _text(tmp_path, "steps=2", "resume=true")
+    done = _text(tmp_path, "iterations=2", "resume=true")
     assert done.returncode == 2
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("flowgrpo: every checkpoint under") and "step_00000001" in last
@@ -89,10 +89,10 @@ def test_every_checkpoint_damaged_is_one_line(tmp_path):
 
 
 def test_resume_with_a_changed_setting_is_refused_naming_it(tmp_path):
-    assert _text(tmp_path, "steps=1").returncode == 0
-    done = _text(tmp_path, "steps=2", "resume=true", "optim.lr=0.001")
+    assert _text(tmp_path, "iterations=1").returncode == 0
+    done = _text(tmp_path, "iterations=2", "resume=true", "optim.lr=0.001")
     assert done.returncode == 2, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("flowgrpo: resume: optim.lr: 0.02 in the checkpoint, 0.001 now")
     assert "Traceback" not in done.stderr
-    assert _text(tmp_path, "steps=2", "resume=true", "progress=true").returncode == 0  # free keys still change
+    assert _text(tmp_path, "iterations=2", "resume=true", "progress=true").returncode == 0  # free keys still change

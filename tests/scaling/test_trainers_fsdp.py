@@ -46,7 +46,7 @@ BOTH_TRAINERS_LAUNCHED = pytest.mark.parametrize(
     "script,config,extra",
     [
         ("train_t2i.py", "configs/t2i/tiny/flow_grpo.yaml", ["iterations=2", "prompts_per_iteration=2"]),
-        ("train_text.py", "configs/text/tiny_pattern.yaml", ["steps=2"]),
+        ("train_text.py", "configs/text/tiny_pattern.yaml", ["iterations=2"]),
     ],
     ids=["t2i", "text"],
 )
@@ -195,7 +195,7 @@ def test_image_methods_under_fsdp_on_two_ranks(launch, tmp_path):
 
 def test_text_trainer_sharded_matches_one_process(launch, tmp_path):
     def text(out: Path, world: int, micro: int, sharded: bool = True) -> dict[str, torch.Tensor]:
-        args = [str(ROOT / "configs/text/tiny_pattern.yaml"), f"output_dir={out}", "progress=false", "steps=1",
+        args = [str(ROOT / "configs/text/tiny_pattern.yaml"), f"output_dir={out}", "progress=false", "iterations=1",
                 f"train.micro_batch_size={micro}", "train.shared_prompt=false", "checkpoint.save_final_model=true"]  # fmt: skip
         launch("train_text.py", args, world, sharded)
         return load_file(str(out / "final" / "model.safetensors"))
@@ -243,7 +243,7 @@ def accelerate_launch(file: str, script: str, config: str, extra: list[str], tmp
 def test_text_trainer_resumes_a_sharded_checkpoint_on_another_world_size(launch, tmp_path):
     """Saved on 2 sharded ranks, resumed on 1: step 2 generates from exactly the saved weights (the same
     tokens and rewards as the uninterrupted 2-rank run) and scores them to float32 rounding."""
-    args = [str(ROOT / "configs/text/tiny_pattern.yaml"), "progress=false", "steps=2", "checkpoint.every=1"]
+    args = [str(ROOT / "configs/text/tiny_pattern.yaml"), "progress=false", "iterations=2", "checkpoint.every=1"]
     launch("train_text.py", [*args, f"output_dir={tmp_path / 'resumed'}", "stop_after=1"], 2)
     assert (tmp_path / "resumed/checkpoints/step_00000001/sharded").is_dir()
     launch("train_text.py", [*args, f"output_dir={tmp_path / 'resumed'}", "resume=true"], 1)

@@ -119,7 +119,7 @@ def test_image_methods_under_zero2_on_two_ranks(launch, tmp_path):
 
 def test_text_trainer_zero2_matches_one_process_and_resumes_without_zero(launch, tmp_path):
     def text(out: Path, world: int, micro: int, zero: bool = True, *extra: str) -> dict:
-        args = [str(ROOT / "configs/text/tiny_pattern.yaml"), f"output_dir={out}", "progress=false", "steps=1",
+        args = [str(ROOT / "configs/text/tiny_pattern.yaml"), f"output_dir={out}", "progress=false", "iterations=1",
                 f"train.micro_batch_size={micro}", "checkpoint.save_final_model=true", *extra]  # fmt: skip
         launch("train_text.py", args, world, zero)
         return load_file(str(out / "final" / "model.safetensors"))
@@ -132,7 +132,7 @@ def test_text_trainer_zero2_matches_one_process_and_resumes_without_zero(launch,
     assert r_two["reward_mean"] == r_plain["reward_mean"] and r_two["tokens/generated"] == r_plain["tokens/generated"]
 
     # saved on 2 ZeRO ranks, resumed on one plain process: step 2 generates from exactly the saved weights
-    args = [str(ROOT / "configs/text/tiny_pattern.yaml"), "progress=false", "steps=2", "checkpoint.every=1"]
+    args = [str(ROOT / "configs/text/tiny_pattern.yaml"), "progress=false", "iterations=2", "checkpoint.every=1"]
     launch("train_text.py", [*args, f"output_dir={tmp_path / 'resumed'}", "stop_after=1"], 2)
     launch("train_text.py", [*args, f"output_dir={tmp_path / 'resumed'}", "resume=true"], 1, False)
     launch("train_text.py", [*args, f"output_dir={tmp_path / 'straight'}"], 2)
@@ -175,7 +175,7 @@ def test_zero3_lora_partitions_the_base_and_matches_one_process(launch, tmp_path
 
     def text(name: str, world: int, micro: int, zero: bool | int) -> dict:
         args = [str(ROOT / "configs/text/tiny_pattern.yaml"), f"output_dir={tmp_path / name}", "progress=false",
-                "steps=1", f"train.micro_batch_size={micro}", "checkpoint.save_final_model=true",
+                "iterations=1", f"train.micro_batch_size={micro}", "checkpoint.save_final_model=true",
                 "model.lora.enabled=true", "optim.lr=0.05", "optim.eps=1e-4", "train.shared_prompt=false"]  # fmt: skip
         launch("train_text.py", args, world, zero)
         return load_file(str(tmp_path / name / "final" / "adapter_model.safetensors"))

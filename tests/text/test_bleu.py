@@ -214,7 +214,7 @@ def test_policy_token_reward_uses_completion_ids_and_drops_eos():
 def test_bleu_in_the_registry_and_trainer(tiny_config):
     assert {"bleu", "semantic_similarity"} <= set(REWARDS.names())
     history = train_text(
-        tiny_config("steps=2", "checkpoint.every=0", "data.task={name: echo, rows: 8}", "rewards=[{name: bleu}]")
+        tiny_config("iterations=2", "checkpoint.every=0", "data.task={name: echo, rows: 8}", "rewards=[{name: bleu}]")
     )
     values = [h["rewards/bleu/mean"] for h in history]
     assert all(0.0 <= v <= 1.0 for v in values)

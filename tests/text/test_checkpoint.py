@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-import flowgrpo.checkpoint as ck
+from flowgrpo.checkpoint import format as ck  # save_checkpoint looks `_save_tensors` up here (patched below)
 
 
 def _model():

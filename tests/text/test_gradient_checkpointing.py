@@ -9,7 +9,7 @@ import torch
 from flowgrpo.config import ConfigError
 from flowgrpo.scaling.sharding import enable_activation_checkpointing
 from flowgrpo.text import TextGRPOTrainer
-from flowgrpo.text.config import LoraConfig, TinyModelConfig
+from flowgrpo.text.config import LoraSettings, TinyModelConfig
 from flowgrpo.text.logprobs import micro_logprobs
 from flowgrpo.text.models import apply_lora, build_tiny_model, build_tiny_tokenizer
 
@@ -19,7 +19,7 @@ from test_shared_prompt import _llama, _rollout  # tests/text is on sys.path (ro
 def _policy(family: str, tok):
     model = _llama(tok) if family == "llama" else build_tiny_model(TinyModelConfig(), len(tok), tok.eos_token_id)
     if family.endswith("lora"):
-        model = apply_lora(model, LoraConfig(enabled=True, r=4))
+        model = apply_lora(model, LoraSettings(enabled=True, rank=4))
         with torch.no_grad():  # a non-zero adapter, so its gradients are not trivially zero
             for n, p in model.named_parameters():
                 if "lora_B" in n:
@@ -83,7 +83,7 @@ def _count_grad_forwards(trainer):
 
 
 def test_trainer_records_are_unchanged_by_checkpointing(tiny_config):
-    common = ("steps=2", "checkpoint.every=0", "train.micro_batch_size=4")
+    common = ("iterations=2", "checkpoint.every=0", "train.micro_batch_size=4")
     plain = TextGRPOTrainer(tiny_config(*common, "train.shared_prompt=false", name="plain"))
     ckpt = TextGRPOTrainer(tiny_config(*common, "train.gradient_checkpointing=true", name="ckpt"))
     counts = [_count_grad_forwards(plain), _count_grad_forwards(ckpt)]

@@ -95,7 +95,7 @@ def test_completion_mask_includes_first_eos_only():
 def test_generation_groups_padding_and_sampling_settings(tiny):
     tok, model = tiny
     gen = TransformersGenerator(
-        model, tok, GenerationConfig(group_size=3, max_new_tokens=6, batch_size=4, temperature=0.7, top_k=5)
+        model, tok, GenerationConfig(max_new_tokens=6, batch_size=4, temperature=0.7, top_k=5), group_size=3
     )
     prompts = [tok("ab")["input_ids"], tok("abcdef")["input_ids"], tok("x")["input_ids"]]
     r = gen.generate(prompts, [10, 11, 12])
@@ -157,7 +157,7 @@ def test_micro_batch_size_does_not_change_the_update(tiny_config):
     for micro in (16, 3):
         t = TextGRPOTrainer(
             tiny_config(
-                "steps=1",
+                "iterations=1",
                 "train.inner_epochs=1",
                 f"train.micro_batch_size={micro}",
                 "optim.eps=1.0",
@@ -186,12 +186,12 @@ def test_dynamic_sampling_drops_flat_groups_and_refills(tiny_config, tmp_path):
     cfg = tiny_config(
         f"data.path={path}",
         "data.task=null",
-        "steps=3",
+        "iterations=3",
         "checkpoint.every=0",
         "rewards=[{name: only_a}]",
         "dynamic_sampling.enabled=true",
         "dynamic_sampling.max_extra_rounds=2",
-        "generation.prompts_per_step=2",
+        "prompts_per_iteration=2",
         "data.shuffle=false",
     )
     history = train_text(cfg, reward_funcs={"only_a": only_a})
@@ -205,13 +205,14 @@ def test_dynamic_sampling_drops_flat_groups_and_refills(tiny_config, tmp_path):
 
 def test_every_sample_level_estimator_runs(tiny_config):
     for est in ("rloo", "dr_grpo", "mc_grpo"):
-        h = train_text(tiny_config("steps=1", "checkpoint.every=0", f"advantage.estimator={est}", name=est))
+        h = train_text(tiny_config("iterations=1", "checkpoint.every=0", f"advantage.estimator={est}", name=est))
         assert math.isfinite(h[0]["adv/num_live"])
 
 
 def test_step_level_estimator_is_refused_clearly(tiny_config):
-    with pytest.raises(ValueError, match="needs GroupBatch.step_rewards"):
-        train_text(tiny_config("steps=1", "advantage.estimator=sibling"))
+    """At config load, from what the estimator reads (its registry entry), before any model is built."""
+    with pytest.raises(ConfigError, match="estimator 'sibling' reads siblings .* one advantage per completion"):
+        tiny_config("iterations=1", "advantage.estimator=sibling")
 
 
 def test_config_errors_name_the_key(tmp_path):
@@ -233,7 +234,7 @@ def test_cli_train_text_and_final_model(tmp_path, capsys):
             "train-text",
             "configs/text/tiny_pattern.yaml",
             f"output_dir={out}",
-            "steps=2",
+            "iterations=2",
             "progress=false",
             "checkpoint.save_final_model=true",
             "num_threads=1",
@@ -273,13 +274,13 @@ def test_cli_train_text_and_final_model(tmp_path, capsys):
 
 def test_real_loading_path_from_a_saved_folder(tiny_config, tmp_path):
     """The AutoModelForCausalLM / AutoTokenizer route (as for a real model), with LoRA and KL on top."""
-    first = tiny_config("steps=1", "checkpoint.save_final_model=true", name="saved")
+    first = tiny_config("iterations=1", "checkpoint.save_final_model=true", name="saved")
     train_text(first)
     folder = Path(first.output_dir) / "final"
     h = train_text(
         tiny_config(
             f"model.name_or_path={folder}",
-            "steps=1",
+            "iterations=1",
             "model.lora.enabled=true",
             "loss.kl.coef=0.01",
             "data.chat_template=true",
@@ -294,4 +295,4 @@ def test_real_loading_path_from_a_saved_folder(tiny_config, tmp_path):
 def test_every_shipped_text_config_is_valid(path):
     """Every recipe under configs/text passes the strict config (unknown keys, bad values, cross checks)."""
     cfg = load_text_config(ROOT / path)
-    assert cfg.steps > 0 and cfg.rewards
+    assert cfg.iterations > 0 and cfg.rewards

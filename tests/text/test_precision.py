@@ -24,7 +24,7 @@ def test_full_fine_tuning_needs_fp32_master_weights(tiny_config):
         tiny_config("model.dtype=bfloat16")
     assert tiny_config("model.dtype=bfloat16", "model.lora.enabled=true").model.dtype == "bfloat16"
     # why: the same step at lr 1e-6 on the same model, its weights in fp32 (+ bf16 autocast) or in bf16
-    common = (*TINY, "steps=1", "checkpoint.every=0", "optim.lr=1e-6")
+    common = (*TINY, "iterations=1", "checkpoint.every=0", "optim.lr=1e-6")
     mixed = TextGRPOTrainer(tiny_config(*common, "model.autocast=bfloat16", name="mixed"))
     cfg = tiny_config(*common, name="bf16")  # past the check (model_copy does not validate): what it prevents
     pure = TextGRPOTrainer(cfg.model_copy(update={"model": cfg.model.model_copy(update={"dtype": "bfloat16"})}))
@@ -35,7 +35,7 @@ def test_full_fine_tuning_needs_fp32_master_weights(tiny_config):
 
 
 def test_every_forward_runs_in_bf16_and_the_first_pass_ratio_is_one(tiny_config):
-    cfg = tiny_config(*TINY, "steps=1", "checkpoint.every=0", "model.autocast=bfloat16", "loss.kl.coef=0.01")
+    cfg = tiny_config(*TINY, "iterations=1", "checkpoint.every=0", "model.autocast=bfloat16", "loss.kl.coef=0.01")
     trainer = TextGRPOTrainer(cfg)
     seen = {"policy": [], "reference": []}
     trainer.model.model.layers[0].mlp.down_proj.register_forward_hook(
@@ -54,7 +54,7 @@ def test_every_forward_runs_in_bf16_and_the_first_pass_ratio_is_one(tiny_config)
 
 def test_autocast_with_lora_keeps_the_adapter_in_fp32_and_computes_in_bf16(tiny_config):
     trainer = TextGRPOTrainer(
-        tiny_config(*TINY, "steps=1", "checkpoint.every=0", "model.lora.enabled=true", "model.autocast=bfloat16")
+        tiny_config(*TINY, "iterations=1", "checkpoint.every=0", "model.lora.enabled=true", "model.autocast=bfloat16")
     )
     out = []
     base = trainer.model.get_base_model()

@@ -30,7 +30,7 @@ def _assert_identical(a: dict, b: dict) -> None:
 
 
 COMMON = [
-    "steps=6",
+    "iterations=6",
     "checkpoint.every=2",
     "checkpoint.keep_last=5",
     "train.inner_epochs=2",
@@ -74,13 +74,13 @@ def test_stop_and_resume_in_new_trainer_is_bit_identical(tiny_config, extra):
 
 
 def test_resume_without_checkpoint_starts_fresh(tiny_config):
-    trainer = TextGRPOTrainer(tiny_config("resume=true", "steps=1"))
+    trainer = TextGRPOTrainer(tiny_config("resume=true", "iterations=1"))
     assert trainer.step == 0 and trainer.resumed_from is None
 
 
 def test_sigkill_after_checkpoint_then_resume_is_bit_identical(tiny_config, tmp_path, kill_after_first_checkpoint):
     """A real training process killed with SIGKILL once it has written a checkpoint, resumed by another one."""
-    overrides = ["steps=8", "checkpoint.every=2", "checkpoint.keep_last=3", "num_threads=1", "progress=false"]
+    overrides = ["iterations=8", "checkpoint.every=2", "checkpoint.keep_last=3", "num_threads=1", "progress=false"]
     run_dir = tmp_path / "killed"
     killed_at = kill_after_first_checkpoint(
         "train_text.py", [str(ROOT / "configs/text/tiny_pattern.yaml"), *overrides], run_dir, timeout=120

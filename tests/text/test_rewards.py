@@ -225,7 +225,7 @@ def test_trainer_counts_failed_rewards_and_keeps_training(tiny_config):
             raise RuntimeError("service down")
         return [None if i % 2 else 0.0 for i in range(len(prompts))]
 
-    cfg = tiny_config("steps=2", "checkpoint.every=0", "rewards=[{name: target_pattern}, {name: flaky}]")
+    cfg = tiny_config("iterations=2", "checkpoint.every=0", "rewards=[{name: target_pattern}, {name: flaky}]")
     history = train_text(cfg, reward_funcs={"flaky": flaky})
     assert history[0]["rewards/flaky/error_count"] == 16 and history[0]["rewards/flaky/none_count"] == 0
     assert history[1]["rewards/flaky/error_count"] == 0 and history[1]["rewards/flaky/none_count"] == 8
@@ -234,7 +234,10 @@ def test_trainer_counts_failed_rewards_and_keeps_training(tiny_config):
     with pytest.raises(RewardError, match="'flaky' failed"):
         train_text(
             tiny_config(
-                "steps=1", "stop_on_reward_error=true", "rewards=[{name: target_pattern}, {name: flaky}]", name="stop"
+                "iterations=1",
+                "stop_on_reward_error=true",
+                "rewards=[{name: target_pattern}, {name: flaky}]",
+                name="stop",
             ),
             reward_funcs={"flaky": flaky},
         )

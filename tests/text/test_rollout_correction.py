@@ -72,8 +72,10 @@ def test_recorded_sampler_logprobs_equal_the_training_forward(settings):
     processor, against the trainer's re-scoring: the same numbers to float rounding (fp32)."""
     tok = build_tiny_tokenizer()
     model = build_tiny_model(TinyModelConfig(), len(tok), tok.eos_token_id).eval()
-    cfg = GenerationConfig(group_size=3, max_new_tokens=12, rollout_logprobs=True, **settings)
-    rollout = TransformersGenerator(model, tok, cfg).generate([[72, 105], [65, 66, 67, 68]], [0, 1], seed=5)
+    cfg = GenerationConfig(max_new_tokens=12, rollout_logprobs=True, **settings)
+    rollout = TransformersGenerator(model, tok, cfg, group_size=3).generate(
+        [[72, 105], [65, 66, 67, 68]], [0, 1], seed=5
+    )
     assert rollout.rollout_logp is not None and rollout.rollout_logp.shape == rollout.completion_ids.shape
     with torch.no_grad():
         logp = micro_logprobs(model, rollout, torch.arange(rollout.num_sequences), cfg.temperature).logp
@@ -93,7 +95,7 @@ def _shift_recorded(monkeypatch, shift):
 
 
 def test_trainer_measures_no_mismatch_when_the_sampler_is_the_policy(tiny_config):
-    history = train_text(tiny_config("steps=2", "checkpoint.every=0", "generation.rollout_logprobs=true"))
+    history = train_text(tiny_config("iterations=2", "checkpoint.every=0", "generation.rollout_logprobs=true"))
     for r in history:
         assert r["mismatch/logp_diff_max"] < 1e-4 and r["mismatch/weight_mean"] == pytest.approx(1.0, abs=1e-4)
 
@@ -103,7 +105,7 @@ def test_trainer_applies_the_weights(tiny_config, monkeypatch):
     weights every token by 2 (the loss doubles against the uncorrected run of the same batch); masking
     removes every token, so nothing is trained."""
     _shift_recorded(monkeypatch, -1.0)
-    common = ["steps=1", "checkpoint.every=0", "generation.rollout_logprobs=true", "train.inner_epochs=1"]
+    common = ["iterations=1", "checkpoint.every=0", "generation.rollout_logprobs=true", "train.inner_epochs=1"]
     plain = train_text(tiny_config(*common, "rollout_correction.mode=none", name="none"))[0]
     assert plain["mismatch/token_ratio_mean"] == pytest.approx(math.e, rel=1e-4)
     truncated = train_text(tiny_config(*common, "rollout_correction.mode=token_truncate", name="tis"))[0]

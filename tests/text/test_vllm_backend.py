@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flowgrpo.text.config import GenerationConfig, LoraConfig, TinyModelConfig, VLLMConfig
+from flowgrpo.text.config import GenerationConfig, LoraSettings, TinyModelConfig, VLLMConfig
 from flowgrpo.text.models import apply_lora, build_tiny_model, build_tiny_tokenizer
 from flowgrpo.text.vllm_backend import VLLMGenerator, _engine_model
 
@@ -130,8 +130,8 @@ def make(monkeypatch, tok, model, fake_attrs=None, max_prompt_len=5, vllm=None, 
     monkeypatch.setitem(sys.modules, "vllm", fake_vllm(**(fake_attrs or {})))
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "unset")  # restored (removed) after the test
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
-    cfg = GenerationConfig(backend="vllm", group_size=G, max_new_tokens=6, vllm=vllm or VLLMConfig(), **gen)
-    gen = VLLMGenerator(model, tok, cfg, "some/model", max_prompt_len)
+    cfg = GenerationConfig(backend="vllm", max_new_tokens=6, vllm=vllm or VLLMConfig(), **gen)
+    gen = VLLMGenerator(model, tok, cfg, G, "some/model", max_prompt_len)
     return gen, gen.llm
 
 
@@ -219,7 +219,7 @@ def test_wrong_number_of_completions(monkeypatch, tiny):
 
 
 def lora_policy(model):
-    policy = apply_lora(model, LoraConfig(enabled=True))
+    policy = apply_lora(model, LoraSettings(enabled=True))
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in policy.named_parameters():
@@ -308,7 +308,7 @@ def test_sleep_mode(monkeypatch, tiny):
 def test_missing_vllm(monkeypatch, tiny):
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(ImportError, match=r"\.\[vllm\]"):
-        VLLMGenerator(tiny[1], tiny[0], GenerationConfig(backend="vllm"), "some/model", 8)
+        VLLMGenerator(tiny[1], tiny[0], GenerationConfig(backend="vllm"), 8, "some/model", 8)
 
 
 def test_tensor_parallel_refused(monkeypatch, tiny):
@@ -374,7 +374,7 @@ def test_trainer_on_the_vllm_backend_learns_and_corrects_the_engine_mismatch(mon
             f"output_dir={tmp_path / 'run'}",
             "progress=false",
             "num_threads=1",
-            "steps=12",
+            "iterations=12",
             "checkpoint.every=0",
             f"model.name_or_path={folder}",
             "generation.backend=vllm",

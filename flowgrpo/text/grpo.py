@@ -1,0 +1,348 @@
+"""method: grpo - the GRPO family's token-level update of a causal LM (every text preset).
+
+    scored batch -> flowgrpo.core.compute_advantages (any estimator; GDPO reads the K heads)
+                 -> old (and reference) token log-probs, no grad, in micro-batches (the old ones only when
+                    several optimizer steps use the batch or the sampler's log-probs were recorded; else a
+                    few rows re-scored for the on-policy check)
+                 -> [rollout-vs-training mismatch: importance weights exp(old - sampler), truncated / masked]
+                 -> inner_epochs passes x mini_batches optimizer steps (the shared update loop,
+                    flowgrpo.run.update), each with ONE LossNormalizer counted over its whole mini-batch;
+                    micro-batch k on rank k % W, gradients summed over ranks
+                 -> flowgrpo.core.policy_loss (any preset / parts)
+
+Every forward over completions runs each distinct prompt of its micro-batch once and repeats the prompt's
+key/value cache for the completions that share it (`train.shared_prompt`; on the first batch the method checks
+that this gives the plain forward's log-probs before using it), except with `train.gradient_checkpointing`,
+where each decoder layer recomputes its activations in backward instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Iterator, Optional
+
+import torch
+
+from ..core import LossInputs, LossNormalizer, compute_advantages, policy_loss
+from ..run.ratio_check import FirstPassCheck
+from ..run.method import Method
+from ..run.update import MiniBatch, MicroLoss, pass_order, run_update
+from .collect import ScoredBatch, group_batch
+from .generation import Rollout
+from .logprobs import TokenLogprobs, micro_logprobs, sampler_deviation, shared_prompt_deviation
+from .methods import METHODS, TextContext
+from .rollout_correction import correction_weights, mismatch_metrics
+
+log = logging.getLogger(__name__)
+
+PAD_ROWS = torch.zeros(1, dtype=torch.long)  # the sequence a sharded run's padding passes run on
+
+SUSPECTS = (
+    "The weights that score the batch do not reproduce the log-probs that sampled it (dropout on? "
+    "non-deterministic kernels? a changed model between the passes?)"
+)
+
+
+@dataclass
+class PreparedBatch:
+    """A scored rollout ready for the update: loss inputs of every sequence, the micro-batch plan, the check rows."""
+
+    rollout: Rollout
+    full: LossInputs  # [N, Tc]; logp is filled per micro-batch
+    have_old: bool  # logp_old is the old pass (else the detached current log-probs)
+    entropy: Optional[torch.Tensor]  # [N, Tc] from the old pass, when there was one
+    plan: list[list[tuple[torch.Tensor, list[torch.Tensor]]]]  # per pass: (mini-batch rows, its micro-batches)
+    checked_at: torch.Tensor  # [N] row -> its index in check_logp (-1: not re-scored)
+    check_logp: Optional[torch.Tensor]
+
+
+@METHODS.register("grpo")
+class TextGRPOMethod(Method):
+    """Advantages over each prompt's group of completions, then the clipped token-level policy loss."""
+
+    ctx: TextContext
+
+    def __init__(self, ctx: TextContext) -> None:
+        super().__init__(ctx)
+        cfg = ctx.cfg
+        self.use_kl = self.needs_reference(cfg)
+        # Off with gradient checkpointing (the config refuses shared_prompt true with it), and in sharded or ZeRO-3
+        # runs: the shared-prompt path runs one or two forwards depending on the rows, and every rank there must
+        # run the same number, so those take the plain forward (one per micro-batch)
+        configured = None if cfg.train.shared_prompt == "auto" else cfg.train.shared_prompt
+        off = cfg.train.gradient_checkpointing or ctx.dist.gathers_weights
+        self.shared_prompt: Optional[bool] = False if off else configured
+
+    @staticmethod
+    def needs_reference(cfg: Any) -> bool:
+        return bool(cfg.loss.kl.coef != 0)
+
+    def update(self, rollout: ScoredBatch, record: dict[str, Any]) -> None:
+        # rows (sequences) through the model without / with gradient, and backward calls: the image side's names
+        counts = {"nfe_nograd": 0, "nfe_grad": 0, "backward_passes": 0}
+        t0 = time.perf_counter()
+        prepared = self._prepare(rollout, record, counts)
+        record["time_logprob_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self._update(prepared, record, counts)
+        record["time_train_s"] = time.perf_counter() - t0
+        record.update(counts)
+        record["tokens/generated"] = int(prepared.rollout.lengths.sum())
+
+    def _prepare(self, batch: ScoredBatch, record: dict[str, Any], counts: dict[str, int]) -> PreparedBatch:
+        """Advantages, the old / reference log-probs (no grad), mismatch weights, the micro-batch plan."""
+        ctx, cfg, rollout = self.ctx, self.ctx.cfg, batch.rollout
+        adv = compute_advantages(group_batch(cfg, ctx.rewards, batch.scores.values, rollout), cfg.advantage)
+        if adv.level != "sample":
+            raise ValueError(
+                f"advantage estimator '{cfg.advantage.estimator.name}' gives {adv.level}-level "
+                f"advantages; the text trainer uses one advantage per completion"
+            )
+        record.update(adv.metrics)
+        record.update(_completion_metrics(rollout))
+        N = rollout.num_sequences
+        mask = rollout.completion_mask.clone()
+        if cfg.generation.mask_truncated:
+            mask &= ~rollout.truncated.unsqueeze(1)
+        advantages = adv.advantages.reshape(N)
+        sample_weight = adv.sample_weight.reshape(N, 1).expand(mask.shape).clone()
+        # the order of every pass, fixed up front: the on-policy check needs the first rows trained on
+        orders = [pass_order(N, cfg.seed, ctx.iteration, it, cfg.train.shuffle) for it in range(cfg.train.inner_epochs)]
+
+        if self.shared_prompt is None:
+            self._decide_shared_prompt(rollout, record, counts)
+        shared = bool(self.shared_prompt)
+        logp_old = entropy = logp_ref = check_logp = None
+        check = cfg.ratio_check.enabled
+        corrected = rollout.rollout_logp is not None
+        if self._needs_old_logp() or corrected or (check and cfg.ratio_check.rows is None):
+            old = self._all_logprobs(ctx.model, rollout, shared, counts, with_entropy=True)
+            logp_old, entropy = old.logp, old.entropy
+        if self.use_kl:
+            assert ctx.reference is not None
+            with ctx.reference() as ref_model:
+                logp_ref = self._all_logprobs(ref_model, rollout, shared, counts).logp
+        if corrected:
+            # the sampler's log-probs against the training forward's, and the importance weights
+            record.update(mismatch_metrics(logp_old, rollout.rollout_logp, mask))
+            correction = correction_weights(logp_old, rollout.rollout_logp, mask, cfg.rollout_correction)
+            record.update(correction.metrics)
+            sample_weight = sample_weight * correction.weights
+        live = (mask & (sample_weight > 0)).any(1)
+        if self._skip_zero_advantage():
+            live &= advantages != 0
+        plan = [
+            [(mini, self._micro_batches(mini, live)) for mini in order.chunk(cfg.train.mini_batches)]
+            for order in orders
+        ]
+        checked_at = torch.full((N,), -1, dtype=torch.long)  # row -> its index in check_rows
+        if logp_old is None and check:
+            # one update per batch: the loss takes the detached current log-probs as the old ones (as TRL
+            # does), and only a few sequences of this rank's first micro-batch are re-scored for the check
+            mine = [m for k, m in enumerate(plan[0][0][1]) if k % ctx.dist.world_size == ctx.dist.rank]
+            check_rows = mine[0][: cfg.ratio_check.rows] if mine else torch.zeros(0, dtype=torch.long)
+            with torch.no_grad():
+                if check_rows.numel():
+                    check_logp = micro_logprobs(
+                        ctx.model, rollout, check_rows, cfg.generation.temperature, shared_prompt=shared
+                    ).logp
+                for _ in range(ctx.dist.passes_to_pad(int(check_rows.numel() > 0))):  # sharded: forward together
+                    micro_logprobs(ctx.model, rollout, PAD_ROWS, cfg.generation.temperature, shared_prompt=shared)
+            counts["nfe_nograd"] += check_rows.numel()
+            checked_at[check_rows] = torch.arange(check_rows.numel())
+        dev = ctx.device
+        full = LossInputs(
+            logp=torch.zeros(mask.shape, device=dev),
+            logp_old=torch.zeros(mask.shape, device=dev) if logp_old is None else logp_old.to(dev),
+            advantages=advantages.to(dev),
+            mask=mask.to(dev),
+            sample_weight=sample_weight.to(dev),
+            logp_ref=None if logp_ref is None else logp_ref.to(dev),
+        )
+        if entropy is not None:
+            record["entropy/mean"] = float(entropy[mask].mean()) if bool(mask.any()) else math.nan
+        return PreparedBatch(rollout, full, logp_old is not None, entropy, plan, checked_at, check_logp)
+
+    def _update(self, batch: PreparedBatch, record: dict[str, Any], counts: dict[str, int]) -> None:
+        """The shared update loop over the prepared plan; micro-batch k of a mini-batch runs on rank
+        k % world_size, gradients are summed over ranks by the optimizer step."""
+        ctx, cfg, full, shared = self.ctx, self.ctx.cfg, batch.full, bool(self.shared_prompt)
+        dist = ctx.dist
+        entropy = {"sum": 0.0, "tokens": 0}
+
+        def passes() -> Iterator[Iterator[MiniBatch]]:
+            for it, minis in enumerate(batch.plan):
+                yield (
+                    MiniBatch(
+                        [(it, m) for k, m in enumerate(micros) if k % dist.world_size == dist.rank],
+                        LossNormalizer.from_inputs(full.split(mini), const_len=cfg.generation.max_new_tokens),
+                    )
+                    for mini, micros in minis
+                )
+
+        def micro_loss(item: tuple[int, torch.Tensor], norm: LossNormalizer, on_policy: bool) -> MicroLoss:
+            it, micro = item
+            # entropy: for the loss (with grad), or as a metric of the first pass when no old pass gave it
+            ent_metric = batch.entropy is None and it == 0
+            scored = micro_logprobs(
+                ctx.model,
+                batch.rollout,
+                micro,
+                cfg.generation.temperature,
+                with_entropy=bool(cfg.loss.entropy_coef) or ent_metric,
+                entropy_grad=bool(cfg.loss.entropy_coef),
+                shared_prompt=shared,
+            )
+            logp, ent = scored.logp, scored.entropy
+            counts["nfe_grad"] += micro.numel()
+            m = full.mask[micro]
+            if ent_metric:
+                entropy["sum"] += float(ent.detach()[m].sum())
+                entropy["tokens"] += int(m.sum())
+            old = full.logp_old[micro] if batch.have_old else logp.detach()
+            dev = None
+            if on_policy and cfg.ratio_check.enabled:
+                dev = self._first_pass_deviation(logp.detach(), old, m, micro, batch)
+            inputs = replace(full.split(micro), logp=logp, logp_old=old, entropy=ent if cfg.loss.entropy_coef else None)
+            out = policy_loss(inputs, cfg.loss, norm)
+            return MicroLoss(out.loss, out.metrics, int(m.sum()), dev)
+
+        check = FirstPassCheck(cfg.ratio_check.enabled, cfg.ratio_check.tolerance)
+        result = run_update(
+            passes(), micro_loss, lambda norm: self._padding_loss(batch, norm), ctx.optimizer_step, dist, check
+        )
+        counts["backward_passes"] += result.backward_passes
+        ent_sum, ent_tokens = entropy["sum"], entropy["tokens"]
+        if dist.active:  # every rank's share of the counts
+            for key in counts:
+                counts[key] = int(dist.sum(counts[key]))
+            ent_sum, ent_tokens = dist.sum(ent_sum), int(dist.sum(ent_tokens))
+        if batch.entropy is None and ent_tokens:
+            record["entropy/mean"] = ent_sum / ent_tokens
+        record.update(result.metrics.result(len(ctx.optimizer_step.norms)))
+        record["train/shared_prompt"] = int(shared)
+        check.report(record, f"step {ctx.iteration + 1}", SUSPECTS)
+
+    # --- helpers of the update ------------------------------------------------------------------
+
+    def _padding_loss(self, batch: PreparedBatch, norm: LossNormalizer) -> torch.Tensor:
+        """A sharded run's extra forward / backward (the loop zeroes its loss), so that every rank runs as many
+        passes (each gathers the blocks' shards from all ranks)."""
+        cfg = self.ctx.cfg
+        scored = micro_logprobs(
+            self.ctx.model, batch.rollout, PAD_ROWS, cfg.generation.temperature,
+            with_entropy=bool(cfg.loss.entropy_coef), entropy_grad=bool(cfg.loss.entropy_coef),
+            shared_prompt=bool(self.shared_prompt),
+        )  # fmt: skip
+        inputs = replace(
+            batch.full.split(PAD_ROWS), logp=scored.logp, logp_old=scored.logp.detach(),
+            entropy=scored.entropy if cfg.loss.entropy_coef else None,
+        )  # fmt: skip
+        return policy_loss(inputs, cfg.loss, norm).loss
+
+    def _decide_shared_prompt(self, rollout: Rollout, record: dict[str, Any], counts: dict[str, int]) -> None:
+        """train.shared_prompt auto: compare the shared-prompt and the plain forward on the first groups of
+        the first batch; use the shared one when they agree to a tenth of the ratio-check tolerance, or (the
+        sampler's log-probs recorded) when the shared one is no further from the plain one than the plain one
+        is from the sampler: in bf16 both paths round differently, as the sampling engine does."""
+        G = rollout.group_size
+        temperature = self.ctx.cfg.generation.temperature
+        rows = torch.arange(min(rollout.num_sequences, max(2 * G, 2), self.ctx.cfg.train.micro_batch_size))
+        shares = torch.unique(rollout.prompt_index[rows]).numel() < rows.numel()
+        deviation, floor = math.inf, None
+        if shares:  # once per run: the plain and the shared pass
+            with torch.no_grad():
+                plain = micro_logprobs(self.ctx.model, rollout, rows, temperature).logp
+            deviation = shared_prompt_deviation(self.ctx.model, rollout, rows, temperature, plain=plain)
+            floor = sampler_deviation(self.ctx.model, rollout, rows, temperature, plain=plain)
+            counts["nfe_nograd"] += 2 * rows.numel()
+        deviation = self.ctx.dist.max(deviation)  # every rank decides the same
+        bound = self.ctx.cfg.ratio_check.tolerance / 10
+        if floor is not None:  # the same on every rank: whether the sampler's log-probs are recorded is config
+            floor = self.ctx.dist.max(floor)
+            record["check/shared_prompt_floor"] = floor
+            bound = max(bound, floor)
+        self.shared_prompt = deviation <= bound
+        record["check/shared_prompt_deviation"] = deviation
+        log.info(
+            "shared-prompt forward %s (max |log-prob difference| to the plain forward: %.2e; allowed: %.2e)",
+            "on" if self.shared_prompt else "off",
+            deviation,
+            bound,
+        )
+
+    def _needs_old_logp(self) -> bool:
+        """The loss needs the rollout policy's log-probs: several optimizer steps per generation batch."""
+        t = self.ctx.cfg.train
+        return t.inner_epochs > 1 or t.mini_batches > 1
+
+    def _skip_zero_advantage(self) -> bool:
+        """Rows with A = 0 add nothing to the gradient unless a KL / entropy term or a local normaliser is used."""
+        return (
+            not self.use_kl
+            and not self.ctx.cfg.loss.entropy_coef
+            and self.ctx.cfg.loss.aggregation.name != "local_token_mean"
+        )
+
+    def _micro_batches(self, mini: torch.Tensor, live: torch.Tensor) -> list[torch.Tensor]:
+        rows = mini[live[mini]]
+        return list(rows.split(self.ctx.cfg.train.micro_batch_size)) if rows.numel() else []
+
+    def _all_logprobs(
+        self, model: Any, rollout: Rollout, shared: bool, counts: dict[str, int], with_entropy: bool = False
+    ) -> TokenLogprobs:
+        """No-grad log-probs (and entropies) [N, Tc] of the whole rollout on CPU: row block b of
+        `logprob_batch_size` sequences on rank b % world_size, gathered on every rank."""
+        size = self.ctx.cfg.train.logprob_batch_size or self.ctx.cfg.train.micro_batch_size
+        N = rollout.num_sequences
+        blocks = [torch.arange(s, min(s + size, N)) for s in range(0, N, size)]
+        local = []
+        mine = self.ctx.dist.my_chunks(len(blocks))
+        with torch.no_grad():
+            for b in mine:
+                scored = micro_logprobs(
+                    model, rollout, blocks[b], self.ctx.cfg.generation.temperature, with_entropy, shared_prompt=shared
+                )
+                ent = scored.entropy
+                local.append((b, scored.logp.cpu(), None if ent is None else ent.cpu()))
+            for _ in range(self.ctx.dist.passes_to_pad(len(mine))):  # sharded: forward together
+                micro_logprobs(model, rollout, PAD_ROWS, self.ctx.cfg.generation.temperature, shared_prompt=shared)
+        counts["nfe_nograd"] += sum(lp.shape[0] for _, lp, _ in local)
+        parts = sorted(self.ctx.dist.gather_objects(local), key=lambda item: item[0])
+        logp = torch.cat([lp for _, lp, _ in parts])
+        return TokenLogprobs(logp, torch.cat([e for _, _, e in parts]) if with_entropy else None)
+
+    @staticmethod
+    def _first_pass_deviation(
+        logp: torch.Tensor, old: torch.Tensor, m: torch.Tensor, micro: torch.Tensor, batch: PreparedBatch
+    ) -> tuple[float, int]:
+        """max |ratio - 1| of a micro-batch before any optimizer step, and how many sequences it covered:
+        against the old pass when there is one, else against the re-scored check rows."""
+        if batch.have_old:
+            if not bool(m.any()):
+                return 0.0, 0
+            return float(((logp - old)[m].exp() - 1).abs().max()), int(m.any(1).sum())
+        if batch.check_logp is None:
+            return 0.0, 0
+        at = batch.checked_at[micro]
+        sel = at >= 0
+        if not bool(sel.any()):
+            return 0.0, 0
+        ms = m[sel.to(m.device)]
+        diff = logp[sel.to(logp.device)] - batch.check_logp[at[sel]].to(logp.device)
+        dev = float((diff[ms].exp() - 1).abs().max()) if bool(ms.any()) else 0.0
+        return dev, int(sel.sum())
+
+
+def _completion_metrics(rollout: Rollout) -> dict[str, float]:
+    lengths = rollout.lengths.float()
+    done = ~rollout.truncated
+    return {
+        "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+        "completions/max_length": float(lengths.max()),
+        "completions/clipped_ratio": float(rollout.truncated.float().mean()),
+        "completions/mean_terminated_length": float(lengths[done].mean()) if bool(done.any()) else math.nan,
+    }  # fmt: skip
