@@ -5,7 +5,7 @@ Where the run loop (`flowgrpo.run`) uses its `NonFiniteGuard` (`RunLoop.guard`):
     values = guard.rewards(record, values)      # each trainer, after collecting: +-inf -> NaN (excluded like an
                                                 # unscored sample); counts; no finite reward at all is a bad update
     if guard.step_ok(grad_norm): optimizer.step()   # OptimizerStep: a NaN / inf gradient is never stepped
-    guard.end_update(record, index, params)     # RunLoop.train_step: a non-finite weight stops the run at once;
+    guard.end_update(record, index, params)     # RunLoop.train_iteration: a non-finite weight stops the run at once;
                                                 # warns; stops after `max_bad_updates` bad updates in a row
 
 NaN / inf rewards and huge ones (1e38: finite, but its square overflows in the advantage statistics)

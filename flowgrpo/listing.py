@@ -66,7 +66,7 @@ SECTIONS: tuple[Section, ...] = (
         ("flowgrpo.text.grpo",),
         ("flowgrpo.text.config", "TextConfig"),
     ),
-    Section("text_rewards", "text reward functions", "flowgrpo.text.rewards", "REWARDS"),
+    Section("text_rewards", "text reward functions", "flowgrpo.text.reward_functions", "REWARDS"),
     Section("scorers", "image scorers", "reward_models.registry", ""),
     Section("families", "model families", "pipelines.adapters", "ADAPTERS"),
 )

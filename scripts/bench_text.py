@@ -132,7 +132,7 @@ def run_ours(args, size: str, variant: str, out_dir: Path) -> list[dict]:
     for i in range(args.warmup + args.steps):
         _sync(args.device)
         c0, t0 = time.process_time(), time.perf_counter()
-        rec = trainer.train_step()
+        rec = trainer.train_iteration()
         _sync(args.device)
         seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
         if i >= args.warmup:

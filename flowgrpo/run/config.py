@@ -1,4 +1,5 @@
-"""Config sections both trainers share: the optimizer and its schedule, checkpoints, the on-policy check, EMA."""
+"""Config sections both trainers share: the update's passes, the optimizer and its schedule, checkpoints, the
+on-policy check, EMA."""
 
 from __future__ import annotations
 
@@ -7,6 +8,15 @@ from typing import Literal, Optional
 from pydantic import Field, model_validator
 
 from ..core.config import StrictModel
+
+
+class UpdateConfig(StrictModel):
+    """How one iteration's batch is trained on (the `train` section; flowgrpo.run.update runs it)."""
+
+    inner_epochs: int = Field(1, ge=1)  # passes over each batch (TRL's num_iterations, mu)
+    mini_batches: int = Field(1, ge=1)  # optimizer steps per pass, each with one global loss normaliser
+    micro_batch_size: int = Field(16, ge=1)  # rows (edges, NFT samples, sequences) per forward / backward
+    shuffle: bool = True  # a new seeded order of the rows at every pass
 
 
 class OptimConfig(StrictModel):

@@ -6,14 +6,16 @@ and the final model. The loop owns the order of everything else:
 
     __init__   prepare_process (seeds, threads) -> output folder -> refuse to overwrite an earlier run's
                checkpoints -> the non-finite guard (`self.guard`, flowgrpo.guards)
-    train()    config.yaml -> [evaluate "before"] -> SIGINT / SIGTERM handlers -> per step: train_step()
+    train()    config.yaml -> [evaluate "before"] -> SIGINT / SIGTERM handlers -> per iteration: train_iteration()
                -> [evaluate] -> metrics.jsonl -> [checkpoint] -> progress bar -> [stop on a signal] ...
                -> [evaluate "after", final model]
-    train_step() record {iteration, lr} -> iterate(record) -> LR schedule -> step += 1 -> guard.end_update
+    train_iteration() record {iteration, lr} -> iterate(record) -> LR schedule -> iteration += 1
+               -> guard.end_update
 
 Both trainers write the same names for the same quantities (docs/architecture.md lists them): the loop writes
-`iteration` (1-based, the record's counter on both sides) and `time_iteration_s`; `unit` only names a step in
-messages ("iteration" / "step").
+`iteration` (1-based, the record's counter on both sides) and `time_iteration_s`. `self.iteration` counts the
+completed iterations on both sides (checkpoints call it `step`); `unit` only names one in messages ("iteration" /
+"step").
 
 Save points: `save()`, every `checkpoint.every` steps, at the end of the run, and after the step in progress
 when SIGINT / SIGTERM arrives (flowgrpo.interrupts: the step finishes, every rank saves the same step, the run
@@ -62,9 +64,9 @@ class RunLoop:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     optimizer_step: OptimizerStep
 
-    def __init__(self, cfg: Any, total_steps: int) -> None:
+    def __init__(self, cfg: Any, total_iterations: int) -> None:
         self.cfg = cfg
-        self.total_steps = total_steps
+        self.total_iterations = total_iterations
         prepare_process(cfg.seed, cfg.num_threads, cfg.deterministic)
         self.dist = Distributed.from_environment()
         self.out = Path(cfg.output_dir)
@@ -73,7 +75,7 @@ class RunLoop:
         self.ckpt_dir = Path(ckpt.dir) if ckpt.dir else self.out / "checkpoints"
         if not cfg.resume:
             refuse_earlier_run(self.ckpt_dir)
-        self.step = 0  # completed training steps
+        self.iteration = 0  # completed iterations
         self.resumed_from: Optional[Path] = None
         self.guard = NonFiniteGuard(cfg.guards, self.unit, nan_is_missing=self.nan_reward_is_missing)
 
@@ -116,14 +118,14 @@ class RunLoop:
 
     # --- one step --------------------------------------------------------------------------------------
 
-    def train_step(self) -> dict[str, Any]:
+    def train_iteration(self) -> dict[str, Any]:
         t_step = time.perf_counter()
-        record: dict[str, Any] = {COUNTER_KEY: self.step + 1, "lr": self.optimizer.param_groups[0]["lr"]}
+        record: dict[str, Any] = {COUNTER_KEY: self.iteration + 1, "lr": self.optimizer.param_groups[0]["lr"]}
         self.iterate(record)
         self.scheduler.step()
-        self.step += 1
+        self.iteration += 1
         # a NaN weight stops the run before anything saves it; warns, stops after guards.max_bad_updates bad steps
-        self.guard.end_update(record, self.step, self.optimizer_step.params)
+        self.guard.end_update(record, self.iteration, self.optimizer_step.params)
         record[TIME_KEY] = time.perf_counter() - t_step
         return record
 
@@ -141,7 +143,7 @@ class RunLoop:
 
     def save(self) -> Optional[Path]:
         """Every rank calls it; rank 0 writes the checkpoint of the current step and returns its folder."""
-        return self.checkpointer().save(self.step)
+        return self.checkpointer().save(self.iteration)
 
     def resume(self) -> None:
         """Continue from the newest good checkpoint under the checkpoint folder (none: start at step 0). Damaged
@@ -149,7 +151,7 @@ class RunLoop:
         `resume_free` is refused (the checkpoint's optimizer and schedule would silently win over it)."""
         ckpt = self.checkpointer().resume(self.restore, set(self.resume_free))
         if ckpt is not None:
-            self.step = ckpt.step
+            self.iteration = ckpt.step
             self.resumed_from = ckpt.path
 
     # --- the run ---------------------------------------------------------------------------------------
@@ -158,10 +160,10 @@ class RunLoop:
         """Run to `stop_after` (or the end); returns the metrics records of the steps run."""
         try:
             history = self._run_steps()
-            if self.step >= self.total_steps and self._all_ranks_or_main():
+            if self.iteration >= self.total_iterations and self._all_ranks_or_main():
                 final = self.evaluate("after")
                 if self.dist.is_main:
-                    self.log_record(final, self.step)
+                    self.log_record(final, self.iteration)
                     self.finish(final)
                 if self.cfg.checkpoint.save_final_model:
                     self.save_final_model()
@@ -176,32 +178,32 @@ class RunLoop:
         metrics_path = self.out / "metrics.jsonl"
         if main:
             dump_config(cfg, self.out / "config.yaml")
-            if self.step > 0:  # records written after the checkpoint this run resumed from
-                truncate_metrics(metrics_path, self.step)
-        end = self.total_steps if cfg.stop_after is None else min(self.total_steps, cfg.stop_after)
+            if self.iteration > 0:  # records written after the checkpoint this run resumed from
+                truncate_metrics(metrics_path, self.iteration)
+        end = self.total_iterations if cfg.stop_after is None else min(self.total_iterations, cfg.stop_after)
         history: list[dict[str, Any]] = []
-        if self.step == 0 and self._all_ranks_or_main():
+        if self.iteration == 0 and self._all_ranks_or_main():
             before = self.evaluate("before")
             if main:
                 self.log_record(before, 0)
-        bar = tqdm(total=self.total_steps, initial=self.step, desc=self.progress_label,
+        bar = tqdm(total=self.total_iterations, initial=self.iteration, desc=self.progress_label,
                    disable=not (cfg.progress and main))  # fmt: skip
-        writer = MetricsWriter(metrics_path, append=self.step > 0) if main else None
+        writer = MetricsWriter(metrics_path, append=self.iteration > 0) if main else None
         ckpt_seconds: Optional[float] = None
         stop = StopRequest.install(self.unit)  # SIGINT / SIGTERM: finish the step, save, stop (a 2nd: at once)
         try:
-            while self.step < end:
-                record = self.train_step()
+            while self.iteration < end:
+                record = self.train_iteration()
                 every = self.eval_every
-                if every and self.step % every == 0 and self.step < self.total_steps:
-                    record.update(self.evaluate(f"{self.step:06d}"))
+                if every and self.iteration % every == 0 and self.iteration < self.total_iterations:
+                    record.update(self.evaluate(f"{self.iteration:06d}"))
                 if ckpt_seconds is not None:  # the save that followed the previous step
                     record["time_checkpoint_s"], ckpt_seconds = ckpt_seconds, None
                 # the record goes out before the checkpoint: a crash in between leaves a record newer than
                 # the checkpoint, which a resumed run drops and writes again
                 if writer is not None:
                     writer.write(record)
-                    self.log_record(record, self.step)
+                    self.log_record(record, self.iteration)
                 history.append(record)
                 # poll first, on every rank: a collective (max over ranks), so all ranks save the same step
                 if stop.poll(self.dist) or self._checkpoint_due(end):
@@ -210,7 +212,7 @@ class RunLoop:
                     ckpt_seconds = time.perf_counter() - t0
                 bar.update(1)
                 bar.set_postfix(**self.progress_postfix(record))
-                stop.check(self.step)  # raises Interrupted (exit 128 + signal, resume hint) after the save
+                stop.check(self.iteration)  # raises Interrupted (exit 128 + signal, resume hint) after the save
         finally:
             stop.restore()
             bar.close()
@@ -225,4 +227,4 @@ class RunLoop:
 
     def _checkpoint_due(self, end: int) -> bool:
         every = self.cfg.checkpoint.every
-        return bool(every and self.step % every == 0) or self.step == end
+        return bool(every and self.iteration % every == 0) or self.iteration == end

@@ -15,7 +15,7 @@ from ..config import load_config, output_dir_problem
 from ..guards import GuardConfig
 from ..core import AdvantageConfig, LossConfig, PartSpec, StrictModel
 from ..core.advantages import ESTIMATORS
-from ..run.config import CheckpointConfig, EMAConfig, OptimConfig, RatioCheckConfig
+from ..run.config import CheckpointConfig, EMAConfig, OptimConfig, RatioCheckConfig, UpdateConfig
 from .methods import METHODS, method_class
 from pipelines.plans import PLANS
 from pipelines.sampler import SamplerConfig
@@ -31,14 +31,14 @@ DEFAULTS: dict[str, Any] = {
 SEQUENCE_PARTS = {"sequence", "sequence_token"}
 
 
-class LoraSettings(StrictModel):
+class ImageLoraConfig(StrictModel):
     rank: int = Field(8, ge=1)
     alpha: Optional[float] = None  # None: = rank
     init: Literal["gaussian", "default"] = "gaussian"
     target_modules: Optional[list[str]] = None  # None: the family's published targets
 
 
-class ModelConfig(StrictModel):
+class ImageModelConfig(StrictModel):
     family: str = "sd3"  # sd3 | flux | sd15 | qwenimage
     pretrained: Optional[str] = None  # a local diffusers pipeline folder or a hub id
     tiny: bool = False  # random tiny weights (tests, CPU demos)
@@ -48,14 +48,14 @@ class ModelConfig(StrictModel):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # frozen weights; step maths is always fp32
     device: str = "auto"
     finetune: Literal["lora", "full"] = "lora"
-    lora: LoraSettings = Field(default_factory=LoraSettings)
+    lora: ImageLoraConfig = Field(default_factory=ImageLoraConfig)
     init_lora: Optional[str] = None  # start from a saved LoRA folder / file
     # GPU speed switches (regional compile, attention backend, autocast, CFG forward, chunked decode,
     # gradient checkpointing): pipelines.speed.SpeedConfig, applied by build_policy after LoRA is attached
     speed: SpeedConfig = Field(default_factory=SpeedConfig)
 
     @model_validator(mode="after")
-    def _source(self) -> "ModelConfig":
+    def _source(self) -> "ImageModelConfig":
         if self.tiny == (self.pretrained is not None):
             raise ValueError("model: set exactly one of `pretrained: <path or hub id>` or `tiny: true`")
         if self.finetune == "full" and self.dtype != "float32":
@@ -66,7 +66,7 @@ class ModelConfig(StrictModel):
         return self
 
 
-class DataConfig(StrictModel):
+class PromptSetConfig(StrictModel):
     prompts: Optional[list[str]] = None  # inline prompts, or
     path: Optional[str] = None  # a .txt (one per line) or .jsonl ({"prompt": ..., metadata})
     eval_prompts: Optional[list[str]] = None
@@ -74,7 +74,7 @@ class DataConfig(StrictModel):
     shuffle: bool = True
 
     @model_validator(mode="after")
-    def _one(self) -> "DataConfig":
+    def _one(self) -> "PromptSetConfig":
         if (self.prompts is None) == (self.path is None):
             raise ValueError("data: set exactly one of `prompts: [...]` or `path: file.txt|.jsonl`")
         return self
@@ -106,13 +106,6 @@ class EdgeConfig(StrictModel):
     exclude_last: bool = False
 
 
-class TrainConfig(StrictModel):
-    inner_epochs: int = Field(1, ge=1)  # passes over each rollout batch
-    mini_batches: int = Field(1, ge=1)  # optimizer steps per pass, each with one global normaliser
-    micro_batch_size: int = Field(16, ge=1)  # edges (or NFT samples) per forward / backward
-    shuffle: bool = True
-
-
 class NFTConfig(StrictModel):
     """DiffusionNFT: forward-process objective against an old policy kept as a second LoRA adapter."""
 
@@ -141,7 +134,10 @@ class AdversarialConfig(StrictModel):
         return self
 
 
-class EvalConfig(StrictModel):
+class HeldOutEvalConfig(StrictModel):
+    """The held-out evaluation during training (deterministic ODE samples, fixed noise); `flowgrpo evaluate` has its
+    own config (flowgrpo.evaluation.config.EvalConfig)."""
+
     every: int = Field(0, ge=0)  # iterations between evaluations; 0 = off
     num_steps: Optional[int] = None  # ODE steps (default: the sampler's)
     images_per_prompt: int = Field(1, ge=1)
@@ -175,8 +171,8 @@ class T2IConfig(StrictModel):
     iterations: int = Field(20, ge=0)
     stop_after: Optional[int] = None  # stop here as if interrupted; resume continues to `iterations`
     method: str = "grpo"  # a registered method (flowgrpo.t2i.methods.METHODS): grpo, nft
-    model: ModelConfig = Field(default_factory=lambda: ModelConfig(tiny=True))
-    data: DataConfig = Field(default_factory=lambda: DataConfig(prompts=["a photo of a cat"]))
+    model: ImageModelConfig = Field(default_factory=lambda: ImageModelConfig(tiny=True))
+    data: PromptSetConfig = Field(default_factory=lambda: PromptSetConfig(prompts=["a photo of a cat"]))
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
     plan: PartSpec = Field(default_factory=lambda: PartSpec(name="full_sde"))
     group_size: int = Field(8, ge=2)
@@ -191,11 +187,11 @@ class T2IConfig(StrictModel):
     loss: LossConfig = Field(default_factory=lambda: LossConfig(**DEFAULTS["loss"]))
     edges: EdgeConfig = Field(default_factory=EdgeConfig)
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(**DEFAULTS["optim"]))
-    train: TrainConfig = Field(default_factory=TrainConfig)
+    train: UpdateConfig = Field(default_factory=UpdateConfig)
     ema: EMAConfig = Field(default_factory=EMAConfig)
     nft: NFTConfig = Field(default_factory=NFTConfig)
     adversarial: AdversarialConfig = Field(default_factory=AdversarialConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
+    eval: HeldOutEvalConfig = Field(default_factory=HeldOutEvalConfig)
     artifacts: ArtifactsConfig = Field(default_factory=ArtifactsConfig)
     ratio_check: RatioCheckConfig = Field(default_factory=RatioCheckConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)

@@ -10,12 +10,12 @@ import torch
 
 from reward_models.placement import resolve_device
 
-from .config import ModelConfig
+from .config import ImageModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def build_policy(cfg: ModelConfig):
+def build_policy(cfg: ImageModelConfig):
     """(adapter, trainable parameters). Frozen weights in cfg.dtype; LoRA weights in float32."""
     from pipelines.adapters import build_adapter
     from pipelines.speed import apply_speed
@@ -69,7 +69,7 @@ def shard_policy(adapter, reference, dist) -> list[torch.nn.Parameter]:
     return [p for p in adapter.denoiser.parameters() if p.requires_grad]
 
 
-def reference_context(adapter, cfg: ModelConfig, needed: bool):
+def reference_context(adapter, cfg: ImageModelConfig, needed: bool):
     """A context manager giving the reference policy: LoRA disabled, or a frozen copy when fully tuned."""
     if not needed:
         return None

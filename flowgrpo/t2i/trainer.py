@@ -78,7 +78,7 @@ class T2ITrainer(RunLoop):
         self.method = build_method(
             ImageContext(
                 cfg=cfg, dist=self.dist, optimizer_step=self.optimizer_step, params=self.params,
-                reference=self.reference, completed=lambda: self.step, adapter=self.adapter, sampler=self.sampler,
+                reference=self.reference, completed=lambda: self.iteration, adapter=self.adapter, sampler=self.sampler,
                 ema=self.ema, scorer=self.rewards.scorer,
             )
         )  # fmt: skip
@@ -86,14 +86,6 @@ class T2ITrainer(RunLoop):
         self.trackers: artifacts.Trackers | None = None  # rank 0 opens them with its first record
         if cfg.resume:
             self.resume()
-
-    @property
-    def iteration(self) -> int:
-        """Completed iterations (the image side's name for the loop's steps)."""
-        return self.step
-
-    def train_iteration(self) -> dict[str, Any]:
-        return self.train_step()
 
     # --- checkpoints -------------------------------------------------------------------------------
 
@@ -138,7 +130,7 @@ class T2ITrainer(RunLoop):
         nfe0 = self.sampler.counters.as_dict()
         t0 = time.perf_counter()
         for c in mine:
-            gen = torch.Generator().manual_seed(((cfg.seed * 1_000_003 + self.step) * 10_007 + c) % 2**63)
+            gen = torch.Generator().manual_seed(((cfg.seed * 1_000_003 + self.iteration) * 10_007 + c) % 2**63)
             b = c // split
             prompts = batch_prompts.prompts[b * Pc : (b + 1) * Pc]
             meta = batch_prompts.metadata[b * Pc : (b + 1) * Pc]
@@ -217,7 +209,7 @@ class T2ITrainer(RunLoop):
         cfg = self.cfg
         nfe0 = self.sampler.counters.as_dict()
         batch_prompts = self.prompts.take(self.prompt_sampler.next(cfg.prompts_per_iteration))
-        plan = build_plan(cfg.plan.name, cfg.sampler.num_steps, self.step, cfg.seed, **cfg.plan.settings)
+        plan = build_plan(cfg.plan.name, cfg.sampler.num_steps, self.iteration, cfg.seed, **cfg.plan.settings)
         record["plan/trained_steps"] = len(plan.trained_steps)
         rollout = self._collect(record, batch_prompts, plan, self._grid_due() or self.method.needs_images)
         leaf, probe = self.guard.rewards(record, rollout.leaf_values, rollout.probe_values)  # +-inf -> NaN, counted
@@ -243,14 +235,14 @@ class T2ITrainer(RunLoop):
         if rollout.images is not None and self._grid_due():
             artifacts.save_grid(
                 rollout.images,
-                self.out / "grids" / f"rollout_{self.step + 1:06d}.png",
+                self.out / "grids" / f"rollout_{self.iteration + 1:06d}.png",
                 cfg.group_size // cfg.rollout_split,
                 cfg.artifacts.grid_images,
             )
 
     def _grid_due(self) -> bool:
         every = self.cfg.artifacts.grid_every
-        return self.dist.is_main and bool(every) and (self.step + 1) % every == 0
+        return self.dist.is_main and bool(every) and (self.iteration + 1) % every == 0
 
     # --- evaluation, trackers, the end of the run --------------------------------------------------
 

@@ -22,7 +22,7 @@ from ..run.prompts import PromptSampler
 from .config import TextConfig
 from .data import PromptData
 from .generation import Rollout, prompts_per_call
-from .rewards import RewardFunction, RewardScores, score_completions
+from .reward_functions import RewardFunction, RewardScores, score_completions
 
 
 @dataclass

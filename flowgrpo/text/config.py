@@ -16,7 +16,7 @@ from ..config import load_config, move_renamed_keys, output_dir_problem
 from ..core import AdvantageConfig, LossConfig, PartSpec, StrictModel
 from ..core.advantages import ESTIMATORS
 from ..guards import GuardConfig
-from ..run.config import CheckpointConfig, OptimConfig, RatioCheckConfig
+from ..run.config import CheckpointConfig, OptimConfig, RatioCheckConfig, UpdateConfig
 from .methods import METHODS
 
 # estimators whose advantage needs no other sample of the group
@@ -51,7 +51,7 @@ class TinyModelConfig(StrictModel):
     init_seed: int = 0  # weights depend on this seed only, not on the run's seed
 
 
-class LoraSettings(StrictModel):
+class TextLoraConfig(StrictModel):
     """peft LoRA. No dropout: the policy runs in eval mode so that re-scoring a rollout gives ratio 1."""
 
     enabled: bool = False
@@ -60,7 +60,7 @@ class LoraSettings(StrictModel):
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
-class ModelConfig(StrictModel):
+class TextModelConfig(StrictModel):
     """`name_or_path: tiny` builds the tiny random model; `pkg:NAME` is the folder of an installed package;
     anything else is a local folder or a hub id (loaded with AutoModelForCausalLM / AutoTokenizer)."""
 
@@ -75,10 +75,10 @@ class ModelConfig(StrictModel):
     # master weights with bf16 matmuls (AdamW on bf16 weights loses updates below bf16's resolution)
     autocast: Optional[Literal["bfloat16", "float16"]] = None
     device: str = "auto"  # auto | cpu | cuda | cuda:1 ...
-    lora: LoraSettings = Field(default_factory=LoraSettings)
+    lora: TextLoraConfig = Field(default_factory=TextLoraConfig)
 
     @model_validator(mode="after")
-    def _master_weights(self) -> "ModelConfig":
+    def _master_weights(self) -> "TextModelConfig":
         if not self.lora.enabled and self.dtype != "float32":  # LoRA weights are fp32 on any base dtype
             raise ValueError(
                 f"model: full fine-tuning keeps float32 master weights (AdamW on {self.dtype} weights rounds away "
@@ -92,7 +92,7 @@ class TaskConfig(PartSpec):
     """A built-in generated dataset: `name` plus the generator's settings (see flowgrpo.text.data.TASKS)."""
 
 
-class DataConfig(StrictModel):
+class TextDataConfig(StrictModel):
     """JSONL prompts (`path`) or a built-in generated task (`task`)."""
 
     path: Optional[str] = None
@@ -104,7 +104,7 @@ class DataConfig(StrictModel):
     max_rows: Optional[int] = None
 
     @model_validator(mode="after")
-    def _one_source(self) -> "DataConfig":
+    def _one_source(self) -> "TextDataConfig":
         if (self.path is None) == (self.task is None):
             raise ValueError("set exactly one of data.path (a JSONL file) and data.task (a built-in task)")
         return self
@@ -191,14 +191,10 @@ class RewardSpec(PartSpec):
         return self.alias or self.name.rsplit(":", 1)[-1]
 
 
-class TrainConfig(StrictModel):
-    """How one generation batch (P x G sequences) is used."""
+class TextUpdateConfig(UpdateConfig):
+    """How one generation batch (P x G sequences) is used: the shared passes, and the text forward's switches."""
 
-    inner_epochs: int = Field(1, ge=1)  # passes over each generation batch (TRL's num_iterations, mu)
-    mini_batches: int = Field(1, ge=1)  # optimizer steps per pass (each with its own global normaliser)
-    micro_batch_size: int = Field(16, ge=1)  # sequences per forward/backward (gradient accumulation)
     logprob_batch_size: Optional[int] = None  # sequences per no-grad log-prob pass (default micro_batch_size)
-    shuffle: bool = True  # reshuffle sequences into mini-batches at every pass
     # run each distinct prompt of a micro-batch once and repeat its key/value cache for the completions
     # that share it (fewer FLOPs, same maths). auto: on when it agrees with the plain forward on the
     # first batch (to a tenth of ratio_check.tolerance in log-prob); true / false: always / never
@@ -210,7 +206,7 @@ class TrainConfig(StrictModel):
     gradient_checkpointing: bool = False
 
     @model_validator(mode="after")
-    def _checkpointing(self) -> "TrainConfig":
+    def _checkpointing(self) -> "TextUpdateConfig":
         if self.gradient_checkpointing and self.shared_prompt is True:
             raise ValueError(
                 "train.shared_prompt true cannot run with train.gradient_checkpointing true (a recomputed "
@@ -248,8 +244,8 @@ class TextConfig(StrictModel):
     iterations: int = Field(20, ge=0)  # training steps of the run
     stop_after: Optional[int] = None  # stop at this step (as if interrupted); resume continues to `iterations`
     method: str = "grpo"  # a registered text method (flowgrpo.text.methods.METHODS)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    data: DataConfig = Field(default_factory=lambda: DataConfig(task=TaskConfig(name="pattern")))
+    model: TextModelConfig = Field(default_factory=TextModelConfig)
+    data: TextDataConfig = Field(default_factory=lambda: TextDataConfig(task=TaskConfig(name="pattern")))
     group_size: int = Field(8, ge=1)  # G (1 only for estimators without a group baseline)
     prompts_per_iteration: int = Field(2, ge=1)  # P
     # a chunk's G samples per prompt are drawn in this many parts, each under its own seed on its own rank:
@@ -261,7 +257,7 @@ class TextConfig(StrictModel):
     advantage: AdvantageConfig = Field(default_factory=lambda: AdvantageConfig(**DEFAULTS["advantage"]))
     loss: LossConfig = Field(default_factory=lambda: LossConfig(**DEFAULTS["loss"]))
     optim: OptimConfig = Field(default_factory=OptimConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
+    train: TextUpdateConfig = Field(default_factory=TextUpdateConfig)
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
     rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
     ratio_check: TextRatioCheckConfig = Field(default_factory=TextRatioCheckConfig)

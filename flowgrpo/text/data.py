@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 
-from .config import DataConfig
+from .config import TextDataConfig
 
 
 class DataError(ValueError):
@@ -133,7 +133,7 @@ def read_jsonl(path: str | Path) -> tuple[list[dict[str, Any]], list[int]]:
     return rows, lines
 
 
-def render_prompt(prompt: Any, tokenizer, cfg: DataConfig, where: str) -> tuple[list[int], bool]:
+def render_prompt(prompt: Any, tokenizer, cfg: TextDataConfig, where: str) -> tuple[list[int], bool]:
     """Token ids of one prompt and whether it is conversational (a list of chat messages).
 
     With a chat template (and `chat_template: true`) a string prompt becomes one user message and the
@@ -162,7 +162,7 @@ def render_prompt(prompt: Any, tokenizer, cfg: DataConfig, where: str) -> tuple[
 
 
 def load_prompts(
-    cfg: DataConfig,
+    cfg: TextDataConfig,
     tokenizer,
     *,
     context_length: Optional[int],

@@ -20,7 +20,7 @@ class TextContext(MethodContext):
     """What a text method may use besides the shared context."""
 
     model: Any = None  # the policy (transformers / peft model)
-    rewards: Any = None  # the configured reward functions (flowgrpo.text.rewards), in config order
+    rewards: Any = None  # the configured reward functions (flowgrpo.text.reward_functions), in config order
     device: Any = None  # where the policy's forward runs
 
 

@@ -18,7 +18,7 @@ import torch
 
 from reward_models.placement import resolve_device, resolve_dtype
 
-from .config import LoraSettings, ModelConfig, TinyModelConfig
+from .config import TextLoraConfig, TextModelConfig, TinyModelConfig
 from .precision import autocast_forwards
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ def _find_gguf(folder: str, filename: str) -> tuple[str, str]:
     return str(found[0].parent), found[0].name
 
 
-def _load_gguf(cfg: ModelConfig):
+def _load_gguf(cfg: TextModelConfig):
     """Load a GGUF checkpoint through transformers (de-quantised) and cache it as safetensors.
 
     transformers refuses to save a GGUF-loaded model, so the weights are copied into a fresh model of
@@ -184,7 +184,7 @@ def _read_json(path: Path):
         return None
 
 
-def load_policy(cfg: ModelConfig):
+def load_policy(cfg: TextModelConfig):
     """(tokenizer, model) on the configured device, in eval mode (no dropout: on-policy ratio is 1)."""
     if cfg.name_or_path == "tiny":
         tokenizer = build_tiny_tokenizer()
@@ -209,7 +209,7 @@ def load_policy(cfg: ModelConfig):
     return tokenizer, model
 
 
-def apply_lora(model, cfg: LoraSettings):
+def apply_lora(model, cfg: TextLoraConfig):
     """Wrap with peft LoRA (B = 0 at init: the first policy equals the base model)."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model

@@ -32,7 +32,7 @@ from .data import load_prompts
 from .generation import TransformersGenerator, eos_token_ids
 from .methods import TextContext, build_method, method_class
 from .models import is_peft, load_policy, reference_policy, resolve_model_path, trainable_state
-from .rewards import build_rewards
+from .reward_functions import build_rewards
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class TextGRPOTrainer(RunLoop):
         self.method = build_method(
             TextContext(
                 cfg=cfg, dist=self.dist, optimizer_step=self.optimizer_step, params=self.params,
-                reference=self.reference, completed=lambda: self.step, model=self.model, rewards=self.rewards,
+                reference=self.reference, completed=lambda: self.iteration, model=self.model, rewards=self.rewards,
                 device=self.device,
             )
         )  # fmt: skip
@@ -169,17 +169,17 @@ class TextGRPOTrainer(RunLoop):
 
     # --- one step ----------------------------------------------------------------------------
 
-    def train_step(self) -> dict[str, Any]:
-        record = super().train_step()
+    def train_iteration(self) -> dict[str, Any]:
+        record = super().train_iteration()
         tokens = record.get("tokens/generated", 0)
         record["tokens/per_second"] = tokens / max(record[TIME_KEY], 1e-9)
         return record
 
     def iterate(self, record: dict[str, Any]) -> None:
         record.update(self.generator.settings)
-        batch = self.collector.collect(record, self.step)
+        batch = self.collector.collect(record, self.iteration)
         if batch is None:
-            log.warning("step %d: dynamic sampling kept no group with reward spread; no update", self.step + 1)
+            log.warning("step %d: dynamic sampling kept no group with reward spread; no update", self.iteration + 1)
             record["skipped_update"] = 1
             return
         values = self.guard.rewards(record, batch.scores.values)  # +-inf -> NaN (left out like None), counted

@@ -160,10 +160,10 @@ def test_config_is_validated():
 
 
 def test_t2i_model_config_applies_the_switches():
-    from flowgrpo.t2i.config import ModelConfig
+    from flowgrpo.t2i.config import ImageModelConfig
     from flowgrpo.t2i.model import build_policy
 
-    cfg = ModelConfig(
+    cfg = ImageModelConfig(
         tiny=True, device="cpu", speed={"gradient_checkpointing": True, "decode_batch_size": 3, "cfg_forward": "split"}
     )
     adapter, params = build_policy(cfg)

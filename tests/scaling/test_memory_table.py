@@ -135,7 +135,7 @@ def test_the_wall_issue_14_names(facts):
 
 
 def test_workloads_are_the_shipped_recipes():
-    from flowgrpo.text.config import LoraSettings
+    from flowgrpo.text.config import TextLoraConfig
     from pipelines.adapters.flux import FluxAdapter
     from pipelines.adapters.qwenimage import QwenImageAdapter
     from pipelines.adapters.sd3 import SD3Adapter
@@ -161,8 +161,8 @@ def test_workloads_are_the_shipped_recipes():
     assert specs["Qwen2.5-7B"].micro_batch == text["train"]["micro_batch_size"]
     assert specs["Qwen2.5-7B"].tokens == 256 + text["generation"]["max_new_tokens"]
     assert (specs["Qwen2.5-7B"].lora_rank, mem.TEXT_LORA_TARGETS) == (
-        LoraSettings().rank,
-        tuple(LoraSettings().target_modules),
+        TextLoraConfig().rank,
+        tuple(TextLoraConfig().target_modules),
     )
 
 

@@ -13,7 +13,7 @@ from flowgrpo.text import train_text
 from flowgrpo.text.bleu import bleu_from_statistics, bleu_statistics, pad_ids, sentence_bleu_ids
 from flowgrpo.text.config import RewardSpec
 from flowgrpo.text.models import build_tiny_tokenizer
-from flowgrpo.text.rewards import REWARDS, build_rewards
+from flowgrpo.text.reward_functions import REWARDS, build_rewards
 
 logging.getLogger("sacrebleu").setLevel(logging.ERROR)  # "enable effective_order" advice for the False cases
 

@@ -9,7 +9,7 @@ import torch
 from flowgrpo.config import ConfigError
 from flowgrpo.scaling.sharding import enable_activation_checkpointing
 from flowgrpo.text import TextGRPOTrainer
-from flowgrpo.text.config import LoraSettings, TinyModelConfig
+from flowgrpo.text.config import TextLoraConfig, TinyModelConfig
 from flowgrpo.text.logprobs import micro_logprobs
 from flowgrpo.text.models import apply_lora, build_tiny_model, build_tiny_tokenizer
 
@@ -19,7 +19,7 @@ from test_shared_prompt import _llama, _rollout  # tests/text is on sys.path (ro
 def _policy(family: str, tok):
     model = _llama(tok) if family == "llama" else build_tiny_model(TinyModelConfig(), len(tok), tok.eos_token_id)
     if family.endswith("lora"):
-        model = apply_lora(model, LoraSettings(enabled=True, rank=4))
+        model = apply_lora(model, TextLoraConfig(enabled=True, rank=4))
         with torch.no_grad():  # a non-zero adapter, so its gradients are not trivially zero
             for n, p in model.named_parameters():
                 if "lora_B" in n:

@@ -10,7 +10,7 @@ import torch
 from flowgrpo.config import ConfigError
 from flowgrpo.core import LossConfig
 from flowgrpo.text import TextGRPOTrainer, load_text_config, train_text
-from flowgrpo.text.config import DataConfig, GenerationConfig, TinyModelConfig
+from flowgrpo.text.config import TextDataConfig, GenerationConfig, TinyModelConfig
 from flowgrpo.run import PromptSampler
 from flowgrpo.text.data import load_prompts
 from flowgrpo.text.generation import Rollout, TransformersGenerator, completion_mask
@@ -49,7 +49,7 @@ def test_tiny_model_weights_depend_only_on_init_seed():
 def test_chat_template_applied_or_not(tiny):
     tok, _ = tiny
     on = load_prompts(
-        DataConfig(task={"name": "pattern", "rows": 2}, system_prompt="Be brief."),
+        TextDataConfig(task={"name": "pattern", "rows": 2}, system_prompt="Be brief."),
         tok,
         context_length=256,
         max_new_tokens=8,
@@ -57,7 +57,10 @@ def test_chat_template_applied_or_not(tiny):
     text = tok.decode(on.prompt_ids[0])
     assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>") and text.endswith("<|im_start|>assistant\n")
     off = load_prompts(
-        DataConfig(task={"name": "pattern", "rows": 2}, chat_template=False), tok, context_length=256, max_new_tokens=8
+        TextDataConfig(task={"name": "pattern", "rows": 2}, chat_template=False),
+        tok,
+        context_length=256,
+        max_new_tokens=8,
     )
     assert tok.decode(off.prompt_ids[0]) == off.rows[0]["prompt"]
 
@@ -67,7 +70,7 @@ def test_conversational_prompts_from_jsonl(tiny, tmp_path):
     path = tmp_path / "chat.jsonl"
     path.write_text(json.dumps({"prompt": [{"role": "user", "content": "2+2?"}], "answer": "4"}) + "\n")
     data = load_prompts(
-        DataConfig(path=str(path)),
+        TextDataConfig(path=str(path)),
         tok,
         context_length=256,
         max_new_tokens=8,

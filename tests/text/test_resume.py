@@ -63,7 +63,7 @@ def test_stop_and_resume_in_new_trainer_is_bit_identical(tiny_config, extra):
     assert latest_checkpoint(Path(part.output_dir) / "checkpoints").name == "step_00000003"
     torch.manual_seed(12345)  # a resumed process starts from an unrelated RNG state
     resumed = TextGRPOTrainer(tiny_config(*COMMON, *extra, "resume=true", name="interrupted"))
-    assert resumed.step == 3
+    assert resumed.iteration == 3
     rest = resumed.train()
     assert [r["iteration"] for r in rest] == [4, 5, 6]
 
@@ -75,7 +75,7 @@ def test_stop_and_resume_in_new_trainer_is_bit_identical(tiny_config, extra):
 
 def test_resume_without_checkpoint_starts_fresh(tiny_config):
     trainer = TextGRPOTrainer(tiny_config("resume=true", "iterations=1"))
-    assert trainer.step == 0 and trainer.resumed_from is None
+    assert trainer.iteration == 0 and trainer.resumed_from is None
 
 
 def test_sigkill_after_checkpoint_then_resume_is_bit_identical(tiny_config, tmp_path, kill_after_first_checkpoint):
@@ -90,7 +90,7 @@ def test_sigkill_after_checkpoint_then_resume_is_bit_identical(tiny_config, tmp_
     # resume in another process (this one: its RNG state has nothing to do with the killed run's)
     torch.manual_seed(987)
     trainer = TextGRPOTrainer(tiny_config(*overrides, "resume=true", name="killed"))
-    assert trainer.step == killed_at
+    assert trainer.iteration == killed_at
     trainer.train()
     assert latest_checkpoint(run_dir / "checkpoints").name == "step_00000008"
 

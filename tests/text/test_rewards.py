@@ -12,7 +12,7 @@ from flowgrpo.core import AdvantageConfig, GroupBatch, compute_advantages
 from flowgrpo.text import DataError, RewardError, train_text
 from flowgrpo.text.answers import answers_match, extract_answer, reference_answer
 from flowgrpo.text.config import RewardSpec
-from flowgrpo.text.rewards import REWARDS, build_rewards, score_completions
+from flowgrpo.text.reward_functions import REWARDS, build_rewards, score_completions
 
 
 # --- math verification --------------------------------------------------------------------------

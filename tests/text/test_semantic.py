@@ -16,7 +16,7 @@ from flowgrpo.text.encoders import (
     pool,
     read_pooling,
 )
-from flowgrpo.text.rewards import build_rewards
+from flowgrpo.text.reward_functions import build_rewards
 
 WORDS = "[PAD] [UNK] [CLS] [SEP] [MASK] the a cat dog sat on mat sun ran fast red".split()
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flowgrpo.text import train_text
-from flowgrpo.text.config import GenerationConfig, LoraSettings, TinyModelConfig
+from flowgrpo.text.config import GenerationConfig, TextLoraConfig, TinyModelConfig
 from flowgrpo.text.generation import TransformersGenerator
 from flowgrpo.text.logprobs import micro_logprobs, sampler_deviation, shared_prompt_deviation
 from flowgrpo.text.models import apply_lora, build_tiny_model, build_tiny_tokenizer
@@ -49,7 +49,7 @@ def test_shared_prompt_forward_equals_plain_forward_and_grads(family):
     r = _rollout(model, tok, eos_bias=3.0)
     assert len(set(r.lengths.tolist())) > 1  # ragged completions
     if family.endswith("lora"):
-        model = apply_lora(model, LoraSettings(enabled=True, rank=4))
+        model = apply_lora(model, TextLoraConfig(enabled=True, rank=4))
         with torch.no_grad():  # a non-zero adapter, so its gradients are not trivially zero
             for n, p in model.named_parameters():
                 if "lora_B" in n:

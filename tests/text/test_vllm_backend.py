@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flowgrpo.text.config import GenerationConfig, LoraSettings, TinyModelConfig, VLLMConfig
+from flowgrpo.text.config import GenerationConfig, TextLoraConfig, TinyModelConfig, VLLMConfig
 from flowgrpo.text.models import apply_lora, build_tiny_model, build_tiny_tokenizer
 from flowgrpo.text.vllm_backend import VLLMGenerator, _engine_model
 
@@ -219,7 +219,7 @@ def test_wrong_number_of_completions(monkeypatch, tiny):
 
 
 def lora_policy(model):
-    policy = apply_lora(model, LoraSettings(enabled=True))
+    policy = apply_lora(model, TextLoraConfig(enabled=True))
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in policy.named_parameters():
