@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
@@ -58,6 +58,22 @@ class FrozenCopyReference:
             yield self.adapter
         finally:
             setattr(self.adapter.pipe, name, live)
+
+
+def resolution_problem_before_load(cfg: ImageModelConfig, height: int, width: int) -> Optional[str]:
+    """Why a pretrained model cannot take height x width, read from its denoiser's and VAE's config.json before
+    any weight loads (None: it can, or the configs cannot be read: the load itself then says why, naming the
+    source). Tiny models are checked once built (they build in a second)."""
+    from pipelines.adapters import ADAPTERS
+
+    if cfg.tiny or cfg.pretrained is None:
+        return None
+    family = ADAPTERS[cfg.family]
+    try:
+        denoiser_config, vae_config = family.pretrained_configs(cfg.pretrained, **cfg.options)
+    except (OSError, ValueError, KeyError):
+        return None
+    return family.resolution_problem(height, width, denoiser_config, vae_config)
 
 
 def shard_policy(adapter, reference, dist) -> list[torch.nn.Parameter]:

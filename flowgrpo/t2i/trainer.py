@@ -31,7 +31,7 @@ from . import artifacts
 from .config import T2IConfig
 from .data import PromptSet, load_prompt_set
 from .methods import ImageContext, ScoredRollout, build_method, method_class
-from .model import build_policy, reference_context, shard_policy
+from .model import build_policy, reference_context, resolution_problem_before_load, shard_policy
 from .reward_stage import RewardStage
 
 
@@ -46,6 +46,8 @@ class T2ITrainer(RunLoop):
         cfg = config
         self.progress_label = f"t2i-{cfg.method}"
         self.eval_every = cfg.eval.every
+        if problem := resolution_problem_before_load(cfg.model, cfg.sampler.height, cfg.sampler.width):
+            raise ConfigError(f"sampler.height / sampler.width: {problem}")
         self.prompts = load_prompt_set(cfg.data.prompts, cfg.data.path)
         self.eval_prompts = load_prompt_set(
             cfg.data.eval_prompts, cfg.data.eval_path, "data (eval)"

@@ -17,7 +17,7 @@ import json
 import os
 import re
 from collections import OrderedDict
-from typing import Any, ClassVar, Iterator, Sequence
+from typing import Any, ClassVar, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -90,7 +90,7 @@ class Adapter(abc.ABC):
 
     @property
     def vae_scale_factor(self) -> int:
-        return 2 ** (len(self.vae.config.block_out_channels) - 1)
+        return self.vae_scale_of(self.vae.config)
 
     def to(self, device: Any) -> "Adapter":
         """Move every component (dtype is chosen at construction: a cast here would also cast LoRA)."""
@@ -101,23 +101,17 @@ class Adapter(abc.ABC):
 
     def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
         """Unpacked latent (C, h, w) for an image of height x width pixels."""
-        mult = self.vae_scale_factor * self._patch_size()
-        if height % mult or width % mult:
-            raise ValueError(f"{self.family}: height and width must be multiples of {mult}, got {height}x{width}")
+        problem = self.multiple_problem(height, width, self.denoiser.config, self.vae.config)
+        if problem:
+            raise ValueError(problem)
         return (self._latent_channels(), height // self.vae_scale_factor, width // self.vae_scale_factor)
 
     def check_resolution(self, height: int, width: int) -> None:
         """ValueError when the denoiser cannot take height x width (a multiple, or its positional-embedding
         maximum: a tiny test model stops at 128 px)."""
-        _, h, w = self.latent_shape(height, width)
-        largest = getattr(self.denoiser.config, "pos_embed_max_size", None)
-        patch = self._patch_size()
-        if largest and max(h, w) // patch > largest:
-            top = largest * patch * self.vae_scale_factor
-            raise ValueError(
-                f"{self.family}: {height}x{width} px is larger than this model takes ({top} px a side); "
-                "set a smaller height / width"
-            )
+        problem = self.resolution_problem(height, width, self.denoiser.config, self.vae.config)
+        if problem:
+            raise ValueError(problem)
 
     def image_seq_len(self, height: int, width: int) -> int:
         """Image tokens the denoiser sees (FLUX / Qwen-Image schedules shift with this)."""
@@ -128,7 +122,56 @@ class Adapter(abc.ABC):
         return self.vae.config.latent_channels
 
     def _patch_size(self) -> int:
+        return self.patch_of(self.denoiser.config)
+
+    # ---- geometry from the components' configs alone (checked before any weight loads) --------------
+
+    @classmethod
+    def vae_scale_of(cls, vae_config: Any) -> int:
+        """Pixels per latent cell, from the VAE's config."""
+        return 2 ** (len(vae_config["block_out_channels"]) - 1)
+
+    @classmethod
+    def patch_of(cls, denoiser_config: Any) -> int:
+        """Latent cells per image token side, from the denoiser's config."""
         return 1
+
+    @classmethod
+    def multiple_problem(cls, height: int, width: int, denoiser_config: Any, vae_config: Any) -> Optional[str]:
+        mult = cls.vae_scale_of(vae_config) * cls.patch_of(denoiser_config)
+        if height % mult or width % mult:
+            return f"{cls.family}: height and width must be multiples of {mult}, got {height}x{width}"
+        return None
+
+    @classmethod
+    def resolution_problem(cls, height: int, width: int, denoiser_config: Any, vae_config: Any) -> Optional[str]:
+        """Why the denoiser cannot take height x width (None: it can)."""
+        if problem := cls.multiple_problem(height, width, denoiser_config, vae_config):
+            return problem
+        scale, patch = cls.vae_scale_of(vae_config), cls.patch_of(denoiser_config)
+        largest = denoiser_config.get("pos_embed_max_size")
+        if largest and max(height, width) // scale // patch > largest:
+            return (
+                f"{cls.family}: {height}x{width} px is larger than this model takes ({largest * patch * scale} px a "
+                "side); set a smaller height / width"
+            )
+        return None
+
+    @classmethod
+    def pretrained_configs(cls, source: str | os.PathLike, **kw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The denoiser's and the VAE's config.json of a pipeline folder or hub id (no weights are read); `kw`:
+        from_pretrained's revision / cache_dir / token / local_files_only."""
+        from diffusers import ConfigMixin
+
+        class ComponentConfig(ConfigMixin):  # diffusers' config.json reader (a folder or the hub), no model class
+            config_name = "config.json"
+
+        keep = {k: kw[k] for k in ("revision", "cache_dir", "token", "local_files_only") if k in kw}
+        source = os.fspath(source)
+        return (
+            dict(ComponentConfig.load_config(source, subfolder=cls.denoiser_name, **keep)),
+            dict(ComponentConfig.load_config(source, subfolder="vae", **keep)),
+        )
 
     # ---- prompts -------------------------------------------------------------------------------
 

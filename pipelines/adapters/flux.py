@@ -90,7 +90,8 @@ class FluxAdapter(Adapter):
     def _latent_channels(self) -> int:
         return self.denoiser.config.in_channels // 4
 
-    def _patch_size(self) -> int:
+    @classmethod
+    def patch_of(cls, denoiser_config: Any) -> int:
         return 2  # 2x2 packing
 
     def _encode(self, texts: list[str]) -> dict[str, Tensor]:

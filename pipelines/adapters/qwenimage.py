@@ -38,14 +38,15 @@ class QwenImageAdapter(Adapter):
         super().__init__(pipe, **kw)
         self.cfg_renorm = cfg_renorm
 
-    @property
-    def vae_scale_factor(self) -> int:
-        return 2 ** len(self.vae.temperal_downsample)
+    @classmethod
+    def vae_scale_of(cls, vae_config: Any) -> int:
+        return int(2 ** len(vae_config["temperal_downsample"]))
 
     def _latent_channels(self) -> int:
         return self.vae.config.z_dim
 
-    def _patch_size(self) -> int:
+    @classmethod
+    def patch_of(cls, denoiser_config: Any) -> int:
         return 2  # 2x2 packing
 
     def _encode(self, texts: list[str]) -> dict[str, Tensor]:

@@ -20,8 +20,9 @@ class SD3Adapter(Adapter):
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
     default_max_sequence_length = 256  # the SD3 pipeline's default T5 length
 
-    def _patch_size(self) -> int:
-        return self.denoiser.config.patch_size
+    @classmethod
+    def patch_of(cls, denoiser_config: Any) -> int:
+        return int(denoiser_config["patch_size"])
 
     def _encode(self, texts: list[str]) -> dict[str, Tensor]:
         embeds, _, pooled, _ = self.pipe.encode_prompt(

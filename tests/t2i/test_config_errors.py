@@ -73,3 +73,25 @@ def test_a_fresh_run_never_overwrites_checkpoints(recipe_config):
 def test_real_model_recipes_are_valid(path):
     cfg = load_t2i_config(REAL_DIR / path)
     assert cfg.model.pretrained and not cfg.model.tiny
+
+
+def test_a_pretrained_model_s_resolution_is_checked_before_any_weight_loads(tmp_path, monkeypatch):
+    """A saved pipeline folder: its denoiser's and VAE's config.json decide, before the weights are read."""
+    from pipelines.adapters import build_adapter
+
+    import flowgrpo.t2i.trainer as trainer_mod
+
+    folder = tmp_path / "sd3"
+    build_adapter("sd3", tiny=True).pipe.save_pretrained(folder)
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a weight was loaded before the resolution check")
+
+    monkeypatch.setattr(trainer_mod, "build_policy", no_load)
+    monkeypatch.setattr(trainer_mod, "RewardStage", no_load)
+    for bad, why in (("sampler.height=4096", "larger than this model takes"), ("sampler.height=9", "multiples of")):
+        cfg = _load("model.tiny=false", f"model.pretrained={folder}", bad, f"output_dir={tmp_path / 'o'}")
+        with pytest.raises(ConfigError, match=f"sampler.height / sampler.width: sd3: .*{why}"):
+            T2ITrainer(cfg)
+    with pytest.raises(AssertionError, match="before the resolution check"):  # a size it takes goes on to load
+        T2ITrainer(_load("model.tiny=false", f"model.pretrained={folder}", f"output_dir={tmp_path / 'o'}"))
