@@ -312,8 +312,27 @@ class TextConfig(StrictModel):
                 "generation.backend vllm needs a model vLLM can load (model.name_or_path: a folder "
                 "or hub id), not the in-code tiny model"
             )
+        if problem := _vllm_problem(self):
+            raise ValueError(problem)
         METHODS.get(self.method).fn.check_config(self)  # the method's own rules, registered with it
         return self
+
+
+def _vllm_problem(cfg: TextConfig) -> Optional[str]:
+    """What the vLLM backend cannot run with: a GGUF file without its de-quantised copy, a ZeRO-3 launch."""
+    if cfg.generation.backend != "vllm":
+        return None
+    if cfg.model.gguf_file and not cfg.model.gguf_cache_dir:
+        return (
+            "generation.backend vllm with model.gguf_file needs model.gguf_cache_dir (vLLM loads the de-quantised "
+            "safetensors copy)"
+        )
+    from ..distributed import zero_from_launch
+
+    zero = zero_from_launch()  # the launch's accelerate DeepSpeed config, read from the environment
+    if zero is not None and zero.stage == 3:
+        return "generation.backend vllm under ZeRO-3: the policy's weights are partitioned; use ZeRO-2 or FSDP2"
+    return None
 
 
 def migrate_saved_config(data: dict) -> dict:

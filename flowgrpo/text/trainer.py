@@ -114,18 +114,9 @@ class TextGRPOTrainer(RunLoop):
             return TransformersGenerator(
                 self.model, self.tokenizer, gen, self.cfg.group_size, synced=self.dist.gathers_weights
             )
-        if self.dist.zero is not None and self.dist.zero.stage == 3:
-            raise ConfigError(
-                "generation.backend vllm under ZeRO-3: the policy's weights are partitioned; use ZeRO-2 or FSDP2"
-            )
         from .vllm_backend import VLLMGenerator
 
         m = self.cfg.model
-        if m.gguf_file and not m.gguf_cache_dir:
-            raise ConfigError(
-                "generation.backend vllm with model.gguf_file needs model.gguf_cache_dir (vLLM "
-                "loads the de-quantised safetensors copy)"
-            )
         path = m.gguf_cache_dir if m.gguf_file else resolve_model_path(m.name_or_path)
         longest = max(len(ids) for ids in self.data.prompt_ids)
         generator = VLLMGenerator(

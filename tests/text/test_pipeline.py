@@ -299,3 +299,17 @@ def test_every_shipped_text_config_is_valid(path):
     """Every recipe under configs/text passes the strict config (unknown keys, bad values, cross checks)."""
     cfg = load_text_config(ROOT / path)
     assert cfg.iterations > 0 and cfg.rewards
+
+
+def test_vllm_settings_it_cannot_run_with_fail_at_config_load(tmp_path, monkeypatch):
+    """Before any model loads: a GGUF file without its de-quantised copy, and a ZeRO-3 launch."""
+    base = [f"output_dir={tmp_path / 'run'}", "generation.backend=vllm", "model.name_or_path=/models/qwen"]
+    with pytest.raises(ConfigError, match="needs model.gguf_cache_dir"):
+        load_text_config(Path("configs/text/tiny_pattern.yaml"), [*base, "model.gguf_file=q4.gguf"])
+    for key, value in {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+                       "ACCELERATE_DEEPSPEED_ZERO3_INIT": "false"}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError, match="vllm under ZeRO-3"):
+        load_text_config(Path("configs/text/tiny_pattern.yaml"), base)
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+    assert load_text_config(Path("configs/text/tiny_pattern.yaml"), base).generation.backend == "vllm"
