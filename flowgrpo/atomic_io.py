@@ -1,15 +1,20 @@
 """Durable files: JSON that keeps tuples apart from lists, fsync of files and folders, atomic text replacement.
 
-Shared by the checkpoints (flowgrpo.checkpoint), the sharded checkpoints (flowgrpo.scaling.sharding) and the
-metrics.jsonl rewrite on resume (flowgrpo.metrics).
+Shared by the checkpoints (flowgrpo.checkpoint), the sharded checkpoints (flowgrpo.scaling.sharding), the
+metrics.jsonl rewrite on resume (flowgrpo.metrics) and the run loop's config.yaml and final-model export.
+
+A run's file that cannot be written (a full disk, a read-only folder) is `WriteFailed`: one line naming the file
+and the OS error, which the `flowgrpo` command prints with exit 2; `os_error_text` words the OS error.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -53,6 +58,32 @@ def from_json(value: Any) -> Any:
     return value
 
 
+class WriteFailed(RuntimeError):
+    """A run's file could not be written (a full disk, a read-only folder): the message names the file and the OS
+    error in one line; what was saved before is intact."""
+
+
+# errors that only a write gives (an EACCES / EPERM may be a read too: callers also check the file's folder)
+WRITE_ERRNOS = frozenset(
+    e for e in (errno.ENOSPC, getattr(errno, "EDQUOT", None), errno.EROFS, errno.EFBIG) if e is not None
+)
+
+
+def os_error_text(err: BaseException) -> str:
+    """An OS error in a few words: "ENOSPC: No space left on device"; other errors as "Type: message"."""
+    if isinstance(err, OSError) and err.errno is not None:
+        return f"{errno.errorcode.get(err.errno, err.errno)}: {err.strerror or err}"
+    return f"{type(err).__name__}: {err}"
+
+
+def is_io_error(err: BaseException) -> bool:
+    """An OSError, or a safetensors error that wraps one (safetensors reports a failed write as
+    `SafetensorError("Error while serializing: I/O error: No space left on device (os error 28) ...")`)."""
+    if isinstance(err, OSError):
+        return True
+    return type(err).__name__ == "SafetensorError" and ("I/O error" in str(err) or "os error" in str(err))
+
+
 def fsync_file(path: str | Path) -> None:
     """Flush a written file's data to the disk."""
     with open(path, "rb") as f:
@@ -73,11 +104,23 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
+def _mode_for(path: Path) -> int:
+    """The permissions a replacement of `path` gets: the old file's, or a new file's under the umask (a temporary
+    file is created 0600)."""
+    try:
+        return path.stat().st_mode & 0o777
+    except OSError:
+        mask = os.umask(0)
+        os.umask(mask)
+        return 0o666 & ~mask
+
+
 def replace_text_atomically(path: Path, text: str) -> None:
     """Write `text` to a temporary file next to `path`, fsync it and rename it over `path`: a crash leaves
     either the old file or the new one, and no temporary file behind."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.chmod(tmp, _mode_for(path))
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
@@ -86,6 +129,44 @@ def replace_text_atomically(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def replace_atomically(path: Path, write: Callable[[Path], None]) -> None:
+    """`write(tmp)` writes the new file to a temporary path next to `path`; it is fsynced and renamed over
+    `path`. A failure leaves the old file whole and no temporary file behind."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        os.chmod(tmp, _mode_for(path))
+        write(Path(tmp))
+        fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def replace_folder(new: Path, dest: Path) -> None:
+    """Move the folder (or file) `new` to `dest`, replacing what is there: the old one is moved aside first and
+    put back if the move fails, then removed."""
+    for f in [new] if new.is_file() else [f for f in new.rglob("*") if f.is_file()]:
+        fsync_file(f)
+    old = None
+    if dest.exists() or dest.is_symlink():
+        old = dest.with_name(f".old-{dest.name}-{os.getpid()}")
+        os.rename(dest, old)
+    try:
+        os.rename(new, dest)
+    except BaseException:
+        if old is not None:
+            os.rename(old, dest)
+        raise
+    fsync_dir(dest.parent)
+    if old is not None:
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
 
 
 def own_storage(t: torch.Tensor) -> torch.Tensor:

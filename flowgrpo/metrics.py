@@ -7,7 +7,8 @@ statistics `reward_mean`, `reward_std`, `rewards/<name>/...` and the loss's `rat
 
 A crash or a full disk mid-write can leave a partial last line: readers skip it (with a warning) and a
 resumed run drops it. Rewrites go to a temporary file renamed over the old one, so a kill during a
-rewrite leaves the old file whole.
+rewrite leaves the old file whole. A line that cannot be written (a full disk, a read-only folder) is
+`WriteFailed`, one line naming the file and the OS error: the records written before it stay.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .atomic_io import replace_text_atomically
+from .atomic_io import WriteFailed, os_error_text, replace_text_atomically
 
 COUNTER_KEY = "iteration"  # the step counter of a record (1-based), in both trainers' metrics.jsonl
 LEGACY_COUNTER_KEYS = ("step",)  # the text trainer's counter before it was `iteration`: read on resume
@@ -41,17 +42,35 @@ def _clean(value: Any) -> Any:
 
 
 class MetricsWriter:
+    """Appends one JSON line per record, flushed at once. A write that fails is `WriteFailed` (one line naming the
+    file and the OS error); the lines written before it are whole (a torn last line is skipped by readers)."""
+
     def __init__(self, path: str | Path, append: bool = False):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a" if append else "w")
+        self._failed = False
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a" if append else "w")
+        except OSError as err:
+            raise WriteFailed(f"could not open {self.path} for writing: {os_error_text(err)}") from err
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
-        self._file.flush()
+        line = json.dumps({k: _clean(v) for k, v in record.items()}) + "\n"
+        try:
+            self._file.write(line)
+            self._file.flush()
+        except OSError as err:
+            self._failed = True
+            raise WriteFailed(
+                f"could not write {self.path}: {os_error_text(err)} (the records before it are kept)"
+            ) from err
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError as err:
+            if not self._failed:  # after a failed write, the buffered line fails again: already reported
+                raise WriteFailed(f"could not write {self.path}: {os_error_text(err)}") from err
 
     def __enter__(self) -> "MetricsWriter":
         return self
@@ -98,7 +117,10 @@ def truncate_metrics(path: str | Path, last: int) -> None:
     if not path.is_file():
         return
     kept = [line for line, record in _records(path) if _counter(record) <= last]
-    replace_text_atomically(path, "".join(line + "\n" for line in kept))
+    try:
+        replace_text_atomically(path, "".join(line + "\n" for line in kept))
+    except OSError as err:
+        raise WriteFailed(f"could not rewrite {path}: {os_error_text(err)} (the file is unchanged)") from err
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

@@ -6,10 +6,14 @@ The run loop (flowgrpo.run.RunLoop) decides when; this module does the save and 
              then rank 0 writes the checkpoint (every rank holds the same weights). A sharded (FSDP2) run: every
              rank writes its shards into a staging folder (flowgrpo.checkpoint.shards), then rank 0 writes the
              rest and moves the staging folder in before the checkpoint's atomic rename. The other ranks wait.
+             A save that fails (a full disk: CheckpointError naming the folder and the OS error, the staging
+             folders removed) fails on every rank together: the ranks learn it from one max-reduction.
     resume   rank 0 finds the newest good checkpoint (sizes and hashes verified; damaged ones skipped with a
-             warning) and tells the others; every rank reads it (a sharded checkpoint's shards on this run's
-             ranks, sharded or not), loads the optimizers and LR schedule, refuses a changed setting
-             (flowgrpo.checkpoint.resume_config), then hands the rest to the trainer's restore.
+             warning) and tells the others; every rank refuses a changed setting (flowgrpo.checkpoint.resume_config)
+             from the checkpoint's config.json alone, before anything else is read (another model or layer count
+             would otherwise end in a torch error while loading the optimizer), then reads the checkpoint (a
+             sharded checkpoint's shards on this run's ranks, sharded or not), loads the optimizers and LR
+             schedule, and hands the rest to the trainer's restore.
 
 It knows the process group and the optimizer step only by the few methods it calls (`Ranks`, `StepState`).
 """
@@ -22,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Protocol
 
 from ..config import ConfigError
+from ..atomic_io import os_error_text
 from .format import (
     SHARDED,
     Checkpoint,
@@ -29,6 +34,7 @@ from .format import (
     checkpoint_name,
     latest_checkpoint,
     load_checkpoint,
+    read_checkpoint_config,
     save_checkpoint,
 )
 from .parts import CheckpointParts
@@ -103,14 +109,30 @@ class Checkpointer:
     # --- save ------------------------------------------------------------------------------------------
 
     def save(self, step: int) -> Optional[Path]:
-        """Every rank calls it; rank 0 returns the checkpoint's folder, the others None once it is written."""
+        """Every rank calls it; rank 0 returns the checkpoint's folder, the others None once it is written. A save
+        that fails on any rank raises CheckpointError on every rank (none waits for the others forever)."""
+        path: Optional[Path] = None
         if self.dist.sharded:
             path = self._write_sharded(step)
         else:
             self.optimizer_step.gather_state()  # a ZeRO run: every rank gives its partitions of the moments first
-            path = self._write(step, self.parts()) if self.dist.is_main else None
-        self.dist.barrier()
+            error = None
+            if self.dist.is_main:
+                try:
+                    path = self._write(step, self.parts())
+                except CheckpointError as err:
+                    error = err
+            self._raise_on_every_rank(error, step)  # a collective: also the barrier after rank 0's write
         return path
+
+    def _raise_on_every_rank(self, error: Optional[CheckpointError], step: int) -> None:
+        """Every rank calls it: when any rank's `error` is set, every rank raises (its own error, or one naming
+        the checkpoint another rank could not write)."""
+        if self.dist.max(0.0 if error is None else 1.0):
+            raise error or CheckpointError(
+                f"could not save checkpoint {self.folder / checkpoint_name(step)}: another rank failed to write "
+                "it (its own line says why); the earlier checkpoints are intact"
+            )
 
     def _write(self, step: int, parts: CheckpointParts, folders: Optional[dict[str, Path]] = None) -> Path:
         return save_checkpoint(
@@ -120,21 +142,53 @@ class Checkpointer:
 
     def _write_sharded(self, step: int) -> Optional[Path]:
         """Every rank writes its shards into a staging folder; rank 0 then writes the rest and moves the
-        staging folder into the checkpoint before its atomic rename."""
+        staging folder into the checkpoint before its atomic rename. A failed write removes the staging folder."""
         parts = self.parts()
         shards = shard_tensors(parts)
         if self.dist.max(0.0 if all_finite(shards) else 1.0):  # every rank refuses together
             raise CheckpointError(f"refusing to save step {step}: sharded tensors hold NaN / inf")
         staging = self.folder / f".tmp-shards-{checkpoint_name(step)}"
+        error: Optional[CheckpointError] = None
+
+        def failed(err: BaseException) -> CheckpointError:
+            failures = getattr(err, "failures", None)  # a CheckpointException: {rank: (error, traceback)}
+            if isinstance(failures, dict) and failures:
+                rank, (err, _) = sorted(failures.items())[0]
+                err_text = f"rank {rank}: {os_error_text(err)}"
+            else:
+                err_text = os_error_text(err)
+            return CheckpointError(
+                f"could not save checkpoint {self.folder / checkpoint_name(step)}: {err_text}; the earlier "
+                "checkpoints are intact"
+            )
+
         if self.dist.is_main:
-            shutil.rmtree(staging, ignore_errors=True)  # left by a crashed save
-            staging.mkdir(parents=True)
-        self.dist.barrier()
-        write_shards(staging, shards)
-        self.dist.barrier()
-        if not self.dist.is_main:
-            return None
-        return self._write(step, without_shards(parts), folders={SHARDED: staging})
+            try:
+                shutil.rmtree(staging, ignore_errors=True)  # left by a crashed save
+                staging.mkdir(parents=True)
+            except OSError as err:
+                error = failed(err)
+        self._raise_on_every_rank(error, step)  # also the barrier before the shards
+        try:
+            write_shards(staging, shards)
+        except BaseException as err:  # torch.distributed.checkpoint's CheckpointException is a BaseException
+            if not isinstance(err, Exception) and type(err).__name__ != "CheckpointException":
+                raise
+            error = failed(err)
+        path = None
+        try:
+            self._raise_on_every_rank(error, step)  # every rank's shards are written
+            if self.dist.is_main:
+                try:
+                    path = self._write(step, without_shards(parts), folders={SHARDED: staging})
+                except CheckpointError as err:
+                    error = err
+            self._raise_on_every_rank(error, step)  # the barrier after rank 0's write
+        except CheckpointError:
+            if self.dist.is_main:
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return path
 
     # --- resume ----------------------------------------------------------------------------------------
 
@@ -149,6 +203,9 @@ class Checkpointer:
         if path is None:
             log.info("resume: no checkpoint under %s; starting at %s 0", self.folder, self.unit)
             return None
+        # the settings first, from config.json alone: another model, recipe or layer count is refused in one line
+        # naming the keys before the optimizer state (which would not fit) is read
+        check_resume_config(self.config(), self._saved_config(path), free)
         parts = self.parts()
         shards = None
         if (path / SHARDED).is_dir():  # saved sharded: read on this run's ranks, sharded or not
@@ -159,8 +216,11 @@ class Checkpointer:
                 "(configs/accelerate/ddp.yaml)"
             )
         ckpt = load_checkpoint(path, optimizers=parts.optimizers, schedulers=self.schedulers, shards=shards)
-        check_resume_config(self.config(), self.migrate_saved_config(ckpt.config), free)
         restore(ckpt)
         self.optimizer_step.weights_loaded()
         log.info("resumed from %s (%s %d)", path, self.unit, ckpt.step)
         return ckpt
+
+    def _saved_config(self, path: Path) -> Optional[Mapping[str, Any]]:
+        saved = read_checkpoint_config(path)
+        return None if saved is None else self.migrate_saved_config(saved)

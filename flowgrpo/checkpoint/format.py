@@ -21,7 +21,9 @@ the previous good one is used. Non-finite tensors are refused at save time.
 
 Saving writes everything into a hidden temporary folder next to the target, fsyncs every file and
 the folder, then renames it into place: a crash mid-save leaves the previous checkpoints intact and
-no half-written `step_*` folder. Only the last `keep_last` checkpoints are kept.
+no half-written `step_*` folder. Only the last `keep_last` checkpoints are kept. A write that fails (a full
+disk, a read-only folder) removes the temporary folder and is a CheckpointError naming the checkpoint's folder
+and the OS error; the previous checkpoints are intact.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from typing import Any, Mapping, Optional
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..atomic_io import TensorInJSONError, fsync_dir, fsync_file, from_json, to_json
+from ..atomic_io import TensorInJSONError, fsync_dir, fsync_file, from_json, is_io_error, os_error_text, to_json
 from .parts import is_shard
 from .rng import rng_state, set_rng_state
 
@@ -259,9 +261,12 @@ def save_checkpoint(
     """
     root = Path(root)
     _refuse_nonfinite(step, tensors, optimizers)  # before anything is written or rotated away
-    root.mkdir(parents=True, exist_ok=True)
     target = root / checkpoint_name(step)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=root))
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=root))
+    except OSError as err:
+        raise _write_error(target, err) from err
     try:
         os.chmod(tmp, 0o777 & ~_umask())
         for group, named in (tensors or {}).items():
@@ -299,16 +304,29 @@ def save_checkpoint(
         if target.exists():  # re-saving a step (e.g. after a resume): move the old one aside first
             old = root / f".old-{target.name}-{os.getpid()}"
             os.rename(target, old)
-            os.rename(tmp, target)
+            try:
+                os.rename(tmp, target)
+            except BaseException:
+                os.rename(old, target)  # the step's earlier checkpoint goes back in place
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, target)
         fsync_dir(root)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, Exception) and is_io_error(err):
+            raise _write_error(target, err) from err
         raise
     _cleanup(root, keep_last)
     return target
+
+
+def _write_error(target: Path, err: BaseException) -> CheckpointError:
+    return CheckpointError(
+        f"could not save checkpoint {target}: {os_error_text(err)}; the earlier checkpoints under {target.parent} "
+        "are intact"
+    )
 
 
 def _refuse_nonfinite(
@@ -334,13 +352,19 @@ def _refuse_nonfinite(
 
 
 def _cleanup(root: Path, keep_last: Optional[int]) -> None:
+    """Remove leftovers of crashed saves and all but the newest `keep_last` checkpoints. The new checkpoint is
+    saved already: a removal that fails is a warning, not a failed save."""
     for p in root.iterdir():  # leftovers of crashed saves
         if p.is_dir() and (p.name.startswith(".tmp-") or p.name.startswith(".old-")):
             shutil.rmtree(p, ignore_errors=True)
     if keep_last is not None and keep_last > 0:
         for p in list_checkpoints(root)[:-keep_last]:
             doomed = root / f".old-{p.name}-{os.getpid()}"
-            os.rename(p, doomed)  # out of the listing at once, even if the removal below is interrupted
+            try:
+                os.rename(p, doomed)  # out of the listing at once, even if the removal below is interrupted
+            except OSError as err:
+                warnings.warn(f"could not remove the old checkpoint {p}: {os_error_text(err)}", stacklevel=3)
+                continue
             shutil.rmtree(doomed, ignore_errors=True)
 
 
@@ -352,6 +376,19 @@ class Checkpoint:
     state: dict[str, Any]
     config: Optional[dict[str, Any]] = None
     _raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+
+def read_checkpoint_config(path: str | Path) -> Optional[dict[str, Any]]:
+    """The run config a checkpoint was saved with (None when it holds none), read without loading anything else:
+    a resume compares it with its own before any optimizer or tensor is loaded."""
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        return None
+    try:
+        config = _read_json(f)
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{f}: unreadable ({type(err).__name__}: {err})") from None
+    return dict(config) if isinstance(config, Mapping) else None
 
 
 def load_checkpoint(

@@ -4,11 +4,13 @@ A trainer subclasses `RunLoop` and supplies what is its own: `iterate(record)` (
 policy through `self.optimizer_step`), the tensors and state its checkpoints hold, and optionally evaluation
 and the final model. The loop owns the order of everything else:
 
-    __init__   prepare_process (seeds, threads) -> output folder -> refuse to overwrite an earlier run's
-               checkpoints -> the non-finite guard (`self.guard`, flowgrpo.guards)
+    __init__   prepare_process (seeds, threads) -> output folder, locked for the run's life (rank 0 holds the
+               lock; a second run on the folder is refused in one line naming the holder's pid) -> refuse to
+               overwrite an earlier run's checkpoints, or its files when it left none (resume=true starts it again
+               and moves them to `earlier_run_<n>/`) -> the non-finite guard (`self.guard`, flowgrpo.guards)
     train()    config.yaml -> [evaluate "before"] -> SIGINT / SIGTERM handlers -> per iteration: train_iteration()
                -> [evaluate] -> metrics.jsonl -> [checkpoint] -> progress bar -> [stop on a signal] ...
-               -> [evaluate "after", final model]
+               -> [evaluate "after", final model] -> the folder's lock released
     train_iteration() record {iteration, lr} -> iterate(record) -> LR schedule -> iteration += 1
                -> guard.end_update
 
@@ -23,20 +25,40 @@ stops with 128 + the signal and a resume hint); nothing else writes a checkpoint
 (shards, ZeRO's gathered moments, verification, the config check) is flowgrpo.checkpoint's `Checkpointer`. A
 trainer's `iterate` passes its rewards through `self.guard.rewards` and builds its `OptimizerStep` with
 `guard=self.guard`.
+
+Write failures (a full disk, a read-only folder) stop the run in one line naming the file and the OS error, with
+nothing already saved lost: a checkpoint is atomic (CheckpointError), config.yaml is replaced atomically, a
+metrics line that fails leaves the records before it (`WriteFailed`, flowgrpo.atomic_io), the final model is
+exported into a staging folder and moved in once whole (an earlier export stays until then), and any other
+write of the run (grids, eval_final.json, reward_curve.png) is reported the same way, with the last checkpoint.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
+import shutil
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import torch
 
-from ..checkpoint import Checkpoint, CheckpointParts, Checkpointer, refuse_earlier_run
-from ..config import dump_config, move_renamed_keys
+from ..atomic_io import WRITE_ERRNOS, WriteFailed, is_io_error, os_error_text, replace_atomically, replace_folder
+from ..checkpoint import (
+    Checkpoint,
+    CheckpointParts,
+    Checkpointer,
+    RunFolderLock,
+    latest_checkpoint,
+    lock_run_folder,
+    refuse_earlier_files,
+    refuse_earlier_run,
+    set_aside,
+)
+from ..config import ConfigError, dump_config, move_renamed_keys
 from ..distributed import Distributed
 from ..guards import NonFiniteGuard
 from ..interrupts import StopRequest
@@ -70,14 +92,37 @@ class RunLoop:
         prepare_process(cfg.seed, cfg.num_threads, cfg.deterministic)
         self.dist = Distributed.from_environment()
         self.out = Path(cfg.output_dir)
-        self.out.mkdir(parents=True, exist_ok=True)
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise WriteFailed(f"could not create output_dir {self.out}: {os_error_text(err)}") from err
+        self.folder_lock = self._lock_folder()
         ckpt: CheckpointConfig = cfg.checkpoint
         self.ckpt_dir = Path(ckpt.dir) if ckpt.dir else self.out / "checkpoints"
         if not cfg.resume:
             refuse_earlier_run(self.ckpt_dir)
+            refuse_earlier_files(self.out, self.unit)
         self.iteration = 0  # completed iterations
         self.resumed_from: Optional[Path] = None
         self.guard = NonFiniteGuard(cfg.guards, self.unit, nan_is_missing=self.nan_reward_is_missing)
+
+    def _lock_folder(self) -> Optional[RunFolderLock]:
+        """Rank 0 locks the output folder (it alone writes there; the ranks of one launch never refuse each other)
+        and tells the others whether it could: a refused launch stops on every rank, at once. Released when the
+        run ends (train()), when this object is collected, or when the process dies."""
+        lock, problem = None, None
+        if self.dist.is_main:
+            try:
+                lock = lock_run_folder(self.out)
+            except (ConfigError, WriteFailed) as err:
+                problem = (type(err).__name__, str(err))
+        if self.dist.active:
+            problem = self.dist.gather_objects([problem])[0]
+        if problem is not None:
+            raise (WriteFailed if problem[0] == "WriteFailed" else ConfigError)(problem[1])
+        if lock is not None:
+            weakref.finalize(self, lock.release)
+        return lock
 
     # --- what a trainer supplies ---------------------------------------------------------------------
 
@@ -111,7 +156,8 @@ class RunLoop:
 
     def save_final_model(self) -> None:
         """After the last step, when `checkpoint.save_final_model`: the trained weights (rank 0; in a sharded
-        run every rank gathers, rank 0 writes)."""
+        run every rank gathers, rank 0 writes), written under `self.out`, which points at a staging folder while
+        this runs: the loop moves each entry written there into the run folder once all are whole."""
 
     def close(self) -> None:
         """Release workers, trackers and files; runs last, however the run ends."""
@@ -166,10 +212,73 @@ class RunLoop:
                     self.log_record(final, self.iteration)
                     self.finish(final)
                 if self.cfg.checkpoint.save_final_model:
-                    self.save_final_model()
+                    self._export_final_model()
             return history
+        except WriteFailed as err:
+            raise WriteFailed(f"{err}; {self._saved_note()}") from err
+        except OSError as err:
+            if not self._is_write_failure(err):
+                raise
+            where = f" ({err.filename})" if err.filename else ""
+            raise WriteFailed(
+                f"a write under {self.out} failed{where}: {os_error_text(err)}; {self._saved_note()}"
+            ) from err
         finally:
-            self.close()
+            try:
+                self.close()
+            finally:
+                if self.folder_lock is not None:
+                    self.folder_lock.release()
+
+    def _is_write_failure(self, err: OSError) -> bool:
+        """An error only a write gives (a full disk, a read-only file system), or a denied file of this run."""
+        if err.errno in WRITE_ERRNOS:
+            return True
+        if err.errno in (errno.EACCES, errno.EPERM) and err.filename:
+            try:
+                return Path(str(err.filename)).resolve().is_relative_to(self.out.resolve())
+            except (OSError, ValueError):
+                return False
+        return False
+
+    def _saved_note(self) -> str:
+        """What a stopped run kept: its last checkpoint, and how to go on."""
+        last = latest_checkpoint(self.ckpt_dir)
+        if last is None:
+            return f"the run stopped at {self.unit} {self.iteration} with no checkpoint saved yet"
+        return (
+            f"the run stopped at {self.unit} {self.iteration}; its last checkpoint {last} is intact: free the "
+            "space (or fix the folder) and run again with resume=true"
+        )
+
+    def _export_final_model(self) -> None:
+        """`save_final_model` into a staging folder (`self.out` points there while it runs); rank 0 then moves each
+        entry into the run folder, replacing an earlier export only once the new one is whole. A failed write
+        leaves the earlier export and the checkpoints as they were."""
+        out, staging = self.out, self.out / ".tmp-export"
+        main = self.dist.is_main
+        try:
+            if main:
+                shutil.rmtree(staging, ignore_errors=True)  # left by a crashed export
+                staging.mkdir()
+            self.out = staging
+            try:
+                self.save_final_model()
+            finally:
+                self.out = out
+            if main:
+                for entry in sorted(staging.iterdir()):
+                    replace_folder(entry, out / entry.name)
+                staging.rmdir()
+        except Exception as err:
+            if not is_io_error(err):
+                raise
+            if main:
+                shutil.rmtree(staging, ignore_errors=True)
+            raise WriteFailed(
+                f"could not export the final model under {out}: {os_error_text(err)} (an earlier export is "
+                "unchanged; resume=true exports it again)"
+            ) from err
 
     def _run_steps(self) -> list[dict[str, Any]]:
         from tqdm.auto import tqdm
@@ -177,7 +286,18 @@ class RunLoop:
         cfg, main = self.cfg, self.dist.is_main  # rank 0 writes the config, metrics, checkpoints, final model
         metrics_path = self.out / "metrics.jsonl"
         if main:
-            dump_config(cfg, self.out / "config.yaml")
+            if cfg.resume and self.resumed_from is None:  # nothing to resume from: an earlier run's files go aside
+                moved = set_aside(self.out)
+                if moved is not None:
+                    log.warning(
+                        "resume: no checkpoint under %s: starting at %s 0; the earlier run's files are kept in %s",
+                        self.ckpt_dir, self.unit, moved,
+                    )  # fmt: skip
+            config_path = self.out / "config.yaml"
+            try:  # atomically: a failed write leaves the earlier config.yaml whole
+                replace_atomically(config_path, lambda tmp: dump_config(cfg, tmp))
+            except OSError as err:
+                raise WriteFailed(f"could not write {config_path}: {os_error_text(err)}") from err
             if self.iteration > 0:  # records written after the checkpoint this run resumed from
                 truncate_metrics(metrics_path, self.iteration)
         end = self.total_iterations if cfg.stop_after is None else min(self.total_iterations, cfg.stop_after)

@@ -129,7 +129,10 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     with torch.no_grad():
         for p in m.parameters():
             p.add_(1.0)
-    with pytest.raises(OSError, match="simulated"):
+    # one line naming the checkpoint's folder and the OS error (the CLI prints a CheckpointError so, exit 2)
+    with pytest.raises(
+        ck.CheckpointError, match=f"could not save checkpoint {tmp_path / 'step_00000002'}: .*simulated"
+    ):
         _save(tmp_path, 2, m, opt, sched, keep_last=1)
     assert calls[0] == "tensors.model.safetensors"
     assert ck.latest_checkpoint(tmp_path) == good
@@ -143,6 +146,62 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(ck, "_save_tensors", real)
     new = _save(tmp_path, 3, m, opt, sched, keep_last=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == [new.name]
+
+
+def test_a_full_disk_is_one_line_naming_the_folder_and_the_os_error(tmp_path, monkeypatch):
+    """safetensors reports a failed write as its own error (not an OSError): still a CheckpointError naming the
+    checkpoint and the OS error, the temporary folder removed, the previous checkpoint intact."""
+    from safetensors import SafetensorError
+
+    m, opt, sched = _trained(1)
+    good = _save(tmp_path, 1, m, opt, sched)
+    before = {p.name: p.read_bytes() for p in good.iterdir()}
+
+    def full(tensors, filename, metadata=None):
+        open(filename, "wb").write(b"half")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(ck, "save_file", full)
+    with pytest.raises(ck.CheckpointError) as err:
+        _save(tmp_path, 2, m, opt, sched)
+    message = str(err.value)
+    assert f"could not save checkpoint {tmp_path / 'step_00000002'}" in message and "No space left" in message
+    assert "\n" not in message and "intact" in message
+    assert [p.name for p in tmp_path.iterdir()] == [good.name]
+    assert {p.name: p.read_bytes() for p in good.iterdir()} == before
+
+    def denied(*args, **kwargs):  # a read-only folder: the temporary folder cannot even be made
+        raise PermissionError(13, "Permission denied", str(tmp_path))
+
+    monkeypatch.setattr(ck.tempfile, "mkdtemp", denied)
+    with pytest.raises(
+        ck.CheckpointError, match="could not save checkpoint .*step_00000003: EACCES: Permission denied"
+    ):
+        _save(tmp_path, 3, m, opt, sched)
+    assert [p.name for p in tmp_path.iterdir()] == [good.name]
+
+
+def test_a_resave_that_fails_puts_the_step_s_checkpoint_back(tmp_path, monkeypatch):
+    """Re-saving a step moves its old checkpoint aside first: a rename that then fails puts it back (it was left
+    as a `.old-` folder, which the next save removed)."""
+    import os
+
+    m, opt, sched = _trained(1)
+    good = _save(tmp_path, 4, m, opt, sched)
+    before = {p.name: p.read_bytes() for p in good.iterdir()}
+    real = os.rename
+
+    def rename(src, dst):
+        if os.path.basename(src).startswith(".tmp-step_00000004"):
+            raise OSError(28, "No space left on device")
+        return real(src, dst)
+
+    monkeypatch.setattr(ck.os, "rename", rename)
+    with pytest.raises(ck.CheckpointError, match="ENOSPC"):
+        _save(tmp_path, 4, m, opt, sched)
+    monkeypatch.undo()
+    assert [p.name for p in tmp_path.iterdir()] == [good.name]
+    assert {p.name: p.read_bytes() for p in good.iterdir()} == before
 
 
 def test_incomplete_folder_is_not_a_checkpoint(tmp_path):

@@ -1,0 +1,63 @@
+"""A resume with another model (layer count, family, LoRA rank) or recipe is refused in one line naming the keys,
+before the checkpoint's optimizer state (which would not fit the new model) is loaded: no torch traceback.
+Through `flowgrpo train-text` / `train-t2i`."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from .cli_helpers import ROOT, run_cli
+
+TEXT = str(ROOT / "configs/text/tiny_pattern.yaml")
+T2I_TINY = ROOT / "configs/t2i/tiny"
+
+
+def _refused(done: subprocess.CompletedProcess, *parts: str) -> None:
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("flowgrpo: resume: "), last
+    assert "A resumed run keeps its settings" in last
+    for part in parts:
+        assert part in last, (part, last)
+
+
+def test_text_resume_with_another_layer_count_is_refused(tmp_path):
+    out = tmp_path / "run"
+    common = ["train-text", TEXT, "progress=false", f"output_dir={out}"]
+    assert run_cli(*common, "iterations=1", cwd=tmp_path).returncode == 0
+    done = run_cli(*common, "iterations=2", "resume=true", "model.tiny.num_layers=3", cwd=tmp_path)
+    _refused(done, "model.tiny.num_layers: 2 in the checkpoint, 3 now")
+    done = run_cli(*common, "iterations=2", "resume=true", "model.lora.enabled=true", cwd=tmp_path)
+    _refused(done, "model.lora.enabled: False in the checkpoint, True now")
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        (["model.family=sd15"], ["model.family: 'sd3' in the checkpoint, 'sd15' now"]),
+        (["model.lora.rank=4"], ["model.lora.rank: 8 in the checkpoint, 4 now"]),
+        (["model.finetune=full"], ["model.finetune: 'lora' in the checkpoint, 'full' now"]),
+    ],
+)
+def test_t2i_resume_with_another_model_is_refused(tmp_path, change, named):
+    out = tmp_path / "run"
+    common = ["progress=false", "artifacts.tensorboard=false", "artifacts.plot=false", f"output_dir={out}",
+              "checkpoint.save_final_model=false"]  # fmt: skip
+    recipe = str(T2I_TINY / "flow_grpo.yaml")
+    assert run_cli("train-t2i", recipe, *common, "iterations=1", cwd=tmp_path).returncode == 0
+    done = run_cli("train-t2i", recipe, *common, "iterations=2", "resume=true", *change, cwd=tmp_path)
+    _refused(done, *named)
+
+
+def test_t2i_resume_with_another_recipe_is_refused(tmp_path):
+    out = tmp_path / "run"
+    common = ["progress=false", "artifacts.tensorboard=false", "artifacts.plot=false", f"output_dir={out}",
+              "checkpoint.save_final_model=false"]  # fmt: skip
+    first = run_cli("train-t2i", str(T2I_TINY / "flow_grpo.yaml"), *common, "iterations=1", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    done = run_cli("train-t2i", str(T2I_TINY / "diffusion_nft.yaml"), *common, "iterations=2", "resume=true",
+                   cwd=tmp_path)  # fmt: skip
+    _refused(done, "method: 'grpo' in the checkpoint, 'nft' now")
+    assert Path(out / "checkpoints" / "step_00000001").is_dir()
