@@ -16,7 +16,7 @@ detect function into such a server (standard library only).
 
 Rules, outputs and their sources: reward_models.geneval_rules. Outputs (all [B]): '<key>' the
 partial score (Flow-GRPO trains on it), '<key>/strict' and '<key>/correct' (the published check).
-NaN (counted) when the detector fails after bounded retries or answers garbage
+NaN (counted) when the detector fails after bounded retries (HTTP 500 included) or answers garbage
 (on_failure="nan", the default; "raise" raises RemoteRewardError), or when a colour clause
 meets an object without a colour (counters["missing_color"]). Malformed metadata raises.
 """
@@ -179,7 +179,8 @@ class GenEvalScorer(Scorer):
             return parse_detections(self.client.post_json("/detect", request), len(metas))
         except (RemoteRewardError, HTTPStatusError, WireError, ValueError) as e:  # json errors are ValueErrors
             self.counters["failed_requests"] += 1
-            message = f"detector server {self.url}/detect failed: {e}"
+            # RemoteRewardError already names the URL (attempts, status); the others are the answer's faults
+            message = str(e) if isinstance(e, RemoteRewardError) else f"detector server {self.url}/detect failed: {e}"
             if self.on_failure == "raise":
                 raise RemoteRewardError(message) from None
             log.warning("%s (scored NaN)", message)

@@ -6,10 +6,21 @@ training for hours, and turned failures into silent zeros):
   a server that trickles its answer a byte at a time is cut off too; attempts are bounded
   (max_attempts), and deadline_s bounds the total time of one call including retries (without it:
   about max_attempts x timeout_s plus the backoffs);
-- `token` sends `Authorization: Bearer <token>` (servers started with --token need it);
-- only transport errors and HTTP 429/502/503/504 are retried, with capped exponential backoff
-  and jitter; other statuses are the server's final answer (HTTPStatusError);
-- a server that stays down raises RemoteRewardError naming the URL, the attempts and the time.
+- `token` sends `Authorization: Bearer <token>` (servers started with --token need it); a redirect to
+  another origin (scheme, host, port) is refused with RemoteRewardError, so the token never leaves the
+  server it was configured for (a redirect on the same origin is followed, as before);
+- transport errors (refused, reset, cut off) and the statuses in `retry_statuses` (default 429, 500,
+  502, 503, 504) are retried, with capped exponential backoff and jitter; other statuses (400, 401,
+  404, 413, ...) are the server's final answer (HTTPStatusError). 500 is retried because the reward
+  server answers 500 whenever its scorer raises, and the usual cause (CUDA out of memory, a worker
+  restarting, an upstream hiccup behind vLLM) passes; a deterministic failure costs only the bounded
+  attempts (by default 4, under 4 s of backoff) before the same loud error;
+- a server that stays down or keeps failing raises RemoteRewardError: one line naming the URL, the
+  attempts, the time and the last error (its status and the server's message);
+- an answer is read only up to `max_response_bytes` (default 64 MiB; a declared Content-Length over it
+  is refused before any byte of the body is read), and only as JSON: a Content-Type other than
+  application/json (or +json) is refused (ResponseRefused, a ValueError: the server's final answer).
+  Header lines are bounded by http.client (100 lines of 64 KiB), their time by timeout_s.
 The reward server client (reward_models.remote), the VLM judges (reward_models.judge_client) and the
 GenEval detector client (reward_models.geneval) build their HttpClient from an HttpSettings.
 Standard library only (urllib).
@@ -31,7 +42,8 @@ from collections import Counter
 from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
-RETRY_STATUSES = (429, 502, 503, 504)
+RETRY_STATUSES = (429, 500, 502, 503, 504)
+MAX_RESPONSE_BYTES = 64 * 2**20  # a score list or a chat completion is KBs; detections with masks a few MB
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -49,6 +61,7 @@ class HttpSettings:
     seed: int | None = None  # of the backoff jitter
     token: str | None = None  # bearer token, or env:NAME
     health_check: bool = True  # ask the server once, before the first request, whether it is ready
+    max_response_bytes: int = MAX_RESPONSE_BYTES  # the largest answer read (more: ResponseRefused)
 
     @classmethod
     def take(cls, url: str, settings: dict[str, Any]) -> "HttpSettings":
@@ -60,12 +73,39 @@ class RemoteRewardError(RuntimeError):
     """The reward server could not be reached, or gave an answer that cannot be used."""
 
 
+class ResponseRefused(ValueError):
+    """An answer the client will not read: over max_response_bytes, or not JSON (its Content-Type)."""
+
+
 class HTTPStatusError(Exception):
     """A non-retryable HTTP status: the server answered, and the answer is an error."""
 
     def __init__(self, status: int, detail: str):
+        detail = _one_line(detail)
         super().__init__(f"HTTP {status}: {detail}")
         self.status, self.detail = status, detail
+
+
+class _CrossOriginRedirect(Exception):
+    def __init__(self, code: int, url: str):
+        super().__init__(code, url)
+        self.code, self.url = code, url
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urllib.parse.urlsplit(url)
+    scheme = parts.scheme.lower()
+    return scheme, (parts.hostname or "").lower(), parts.port or {"http": 80, "https": 443}.get(scheme)
+
+
+class _SameOriginRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect only on the same scheme, host and port: the bearer token (and the request) never go
+    to another host. urllib would otherwise copy the Authorization header to wherever Location points."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        if _origin(newurl) != _origin(req.full_url):
+            raise _CrossOriginRedirect(code, newurl)
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
 class _AttemptClock:
@@ -139,7 +179,8 @@ class HttpClient:
     retry_statuses are retried after a capped exponential backoff with jitter; any other HTTP
     error status raises HTTPStatusError at once (the server's final answer); running out of
     attempts or time raises RemoteRewardError naming the URL, the attempts, the time and the last
-    error. Counters go to the `counters` given (the owning scorer's), under a lock, so one client
+    error, on one line. A redirect to another origin raises RemoteRewardError at once; a 2xx answer
+    that is not JSON or is over max_response_bytes raises ResponseRefused. Counters go to the `counters` given (the owning scorer's), under a lock, so one client
     may serve a pool of threads. A `stop` event ends waiting and retrying early: a batch whose
     first request found the server down does not wait out every other request's retries.
     Standard library only (urllib).
@@ -165,6 +206,9 @@ class HttpClient:
         self.backoff_s, self.max_backoff_s = float(settings.backoff_s), float(settings.max_backoff_s)
         self.deadline_s = None if settings.deadline_s is None else float(settings.deadline_s)
         self.retry_statuses = frozenset(int(s) for s in settings.retry_statuses)
+        self.max_response_bytes = int(settings.max_response_bytes)
+        if self.max_response_bytes < 1:
+            raise ValueError(f"max_response_bytes must be >= 1, got {settings.max_response_bytes}")
         self.headers = dict(headers or {})
         if token:
             self.headers["Authorization"] = f"Bearer {token}"
@@ -204,13 +248,20 @@ class HttpClient:
             self.count("attempts")
             request = urllib.request.Request(url, data=body, method=method, headers=headers)
             clock = _AttemptClock(timeout)
-            opener = urllib.request.build_opener(*self._handlers, _WatchedHTTP(clock), _WatchedHTTPS(clock))
+            opener = urllib.request.build_opener(
+                *self._handlers, _WatchedHTTP(clock), _WatchedHTTPS(clock), _SameOriginRedirects()
+            )
             try:
                 with opener.open(request, timeout=timeout) as response:
-                    data = response.read()
+                    data = self._read(response)
                 if clock.expired:  # the shut socket can look like a short, complete body
                     raise TimeoutError(f"no complete answer within {timeout:.3g}s")
                 return data
+            except _CrossOriginRedirect as e:
+                raise RemoteRewardError(
+                    f"{self.what} {url} redirected (HTTP {e.code}) to {e.url}, another host: refused, the request "
+                    "and its bearer token go only to the configured url (set url to the server's own address)"
+                ) from None
             except urllib.error.HTTPError as e:
                 detail = _error_detail(e)
                 if e.code not in self.retry_statuses:
@@ -237,14 +288,36 @@ class HttpClient:
         self.count("unreachable")
         raise RemoteRewardError(
             f"{self.what} {url} failed: {attempts} attempt(s) in {time.monotonic() - start:.1f}s "
-            f"(timeout {self.timeout_s:g}s each); last error: {last}"
+            f"(timeout {self.timeout_s:g}s each); last error: {_one_line(last)}"
         )
+
+    def _read(self, response) -> bytes:
+        """The body of a 2xx answer: JSON (or no Content-Type at all), at most max_response_bytes."""
+        content_type = response.headers.get("Content-Type")
+        if content_type is not None:
+            media = content_type.split(";")[0].strip().lower()
+            if media != "application/json" and not media.endswith("+json"):
+                raise ResponseRefused(f"answered Content-Type {_one_line(content_type)!r}, not application/json")
+        cap = self.max_response_bytes
+        declared = response.headers.get("Content-Length")
+        if declared is not None and declared.strip().isdecimal() and int(declared) > cap:
+            raise ResponseRefused(f"answer of {int(declared)} bytes is over max_response_bytes={cap}")
+        chunks, size = [], 0
+        while size <= cap:
+            chunk = response.read(min(1 << 20, cap + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > cap:
+            raise ResponseRefused(f"answer is over max_response_bytes={cap}")
+        return b"".join(chunks)
 
     def health(self) -> dict:
         """GET /health of a server in this package's style; RemoteRewardError unless it answers status ok."""
         try:
             info = self.get_json("/health")
-        except HTTPStatusError as e:
+        except (HTTPStatusError, ResponseRefused) as e:
             raise RemoteRewardError(f"{self.what} {self.url}/health: {e}") from None
         except ValueError as e:
             raise RemoteRewardError(f"{self.what} {self.url}/health answered non-JSON: {e}") from None
@@ -278,6 +351,13 @@ def _error_detail(e: urllib.error.HTTPError) -> str:
     except Exception:  # the body is only for the message
         text = ""
     try:
-        return str(json.loads(text).get("error", text))
+        detail = str(json.loads(text).get("error", text))
     except (ValueError, AttributeError):
-        return text or str(e.reason)
+        detail = text or str(e.reason)
+    return _one_line(detail)
+
+
+def _one_line(text: str, limit: int = 500) -> str:
+    """`text` on one line (whitespace runs, newlines included, become one space), at most `limit` characters."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,8 +1,10 @@
 """The wire side of the VLM judges: chat requests with images to an OpenAI-compatible endpoint.
 
 POST {url}/v1/chat/completions with images as base64 data URLs (JPEG q=95 by default, PNG
-selectable), on the shared reward_models.http_client.HttpClient (retries, per-attempt timeouts, an
-optional deadline), with at most `concurrency` requests in flight. A judge's settings are
+selectable), on the shared reward_models.http_client.HttpClient (the same policy as every remote scorer:
+retries of 429 / 500 / 502-504 and dropped connections, per-attempt timeouts, an optional deadline, no
+redirect to another host, answers only as JSON and up to max_response_bytes), with at most `concurrency`
+requests in flight. A judge's settings are
 HttpSettings plus JudgeSettings. The scorers that build the prompts and read the verdicts live in
 reward_models.vlm_judge.
 """

@@ -1,9 +1,13 @@
 """Client scorer for any HTTP reward server speaking reward_models.wire (JSON + PNG, no pickle).
 
 The transport (bounded attempts and deadline, retries with backoff and jitter, bearer token) is
-reward_models.http_client.HttpClient, set by the HttpSettings keys of the config entry. Here:
-- a bad answer (non-JSON, wrong lengths, HTTP 500, ...) raises, or with on_bad_response="nan"
-  gives NaN rows and counts counters["bad_responses"];
+reward_models.http_client.HttpClient, set by the HttpSettings keys of the config entry: HTTP 500 (the
+server's scorer raised), 429, 502, 503, 504 and connection resets are retried; when the attempts run out, a
+RemoteRewardError names the URL, the status and the attempts on one line, whatever on_bad_response says
+(a server that keeps failing is down, not a bad answer). Here:
+- a bad answer (HTTP 400 / 404 / 413, non-JSON, a Content-Type other than JSON, over max_response_bytes,
+  wrong lengths, ...) raises, or with on_bad_response="nan" gives NaN rows and counts
+  counters["bad_responses"];
 - a health check (GET /health) runs before the first request and tells the client which prompts
   and metadata the server's scorer needs.
 """

@@ -3,10 +3,15 @@
 Standard library only (http.server.ThreadingHTTPServer). Requests are parsed in parallel threads;
 scoring is serialised by a lock, since one model on one device is not made faster by concurrent
 forwards and most models are not thread-safe. Binds 127.0.0.1 unless told otherwise.
-Status codes: 400 malformed request (also JSON nested too deeply), 401 missing or wrong bearer token,
-404 unknown path, 411/413 missing or too large body, 413 an image over `max_pixels` or a request whose
-images hold more than `max_request_pixels` in all (refused from the PNG headers, before decoding any), 503 over `max_connections` open connections, 500 the scorer failed (the
-message is returned as {"error": ...}).
+Status codes, every one answered with a one-line JSON body {"error": ...} (also those http.server raises
+itself: 501 unknown method, 414 / 431 request line or headers too long, 400 malformed request line):
+400 malformed request (also JSON nested too deeply, an invalid or repeated Content-Length, Transfer-Encoding
+together with Content-Length, more body bytes than Content-Length declares), 401 missing or wrong bearer
+token, 404 unknown path, 411 no Content-Length (chunked bodies are not accepted), 413 a body over
+`max_body_bytes` (refused from its Content-Length, before any of it is read), an image over `max_pixels` or
+a request whose images hold more than `max_request_pixels` in all (refused from the PNG headers, before
+decoding any), 415 a body that is not application/json (the only type served), 503 over `max_connections`
+open connections, 500 the scorer failed.
 
 Limits (ServerLimits): the request line and headers must arrive within `header_timeout_s` and the body
 within `body_timeout_s` of them, however slowly the bytes trickle (a watchdog shuts the socket); a
@@ -176,8 +181,24 @@ class JSONHandler(BaseHTTPRequestHandler):
                 return False
         return True
 
+    def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
+        """http.server's own errors (501 unknown method, 414 / 431 too long, 400 malformed request line) as
+        one-line JSON, like every other answer, instead of an HTML page; the connection is closed."""
+        self.close_connection = True
+        if self.request_version == "HTTP/0.9":  # a malformed request line: still a status line and headers
+            self.request_version = "HTTP/1.0"
+        short = self.responses.get(code, ("error",))[0]
+        text = message or short
+        if explain and explain != text:
+            text = f"{text}: {explain}"
+        self._reply(code, {"error": text})
+
     def _reply(self, status: int, payload: dict, headers: Optional[dict] = None) -> None:
         self._watchdog.disarm()  # the request is in; a slow reader of the answer meets the idle timeout
+        if status >= 400:
+            self.close_connection = True  # an unread or refused body never becomes the next request
+            if "error" in payload:
+                payload = {**payload, "error": " ".join(str(payload["error"]).split())}  # one line
         body = json.dumps(payload, allow_nan=False).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -188,20 +209,53 @@ class JSONHandler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def _read_body(self) -> bytes | None:
-        """The request body, or None after answering 411 (no length) / 413 (over the server's limit)."""
-        length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
-            self._reply(411, {"error": "Content-Length required"})
+        """The request body, read only up to its declared Content-Length and only when that is within the
+        server's limit; or None after answering 411 (no Content-Length: chunked bodies are not accepted), 400
+        (an invalid or repeated Content-Length, Transfer-Encoding beside it, more bytes than declared), 413 (over
+        max_body_bytes) or 415 (not application/json)."""
+        lengths = self.headers.get_all("Content-Length") or []
+        chunked = self.headers.get("Transfer-Encoding") is not None
+        if not lengths:
+            why = "chunked transfer encoding is not accepted; " if chunked else ""
+            self._reply(411, {"error": f"Content-Length required ({why}send the body with its length)"})
             return None
-        if int(length) > self.server.max_body_bytes:
+        declared = {value.strip() for value in lengths}
+        if chunked or len(declared) != 1 or not next(iter(declared)).isascii() or not next(iter(declared)).isdigit():
+            why = "Transfer-Encoding beside Content-Length" if chunked else f"invalid Content-Length {lengths}"
+            self._reply(400, {"error": f"bad request: {why}"})
+            return None
+        length = int(declared.pop())
+        if length > self.server.max_body_bytes:
             self._reply(413, {"error": f"body over {self.server.max_body_bytes} bytes; send smaller batches"})
             return None
-        body = self.rfile.read(int(length))
-        if len(body) < int(length):  # the watchdog (or the client) closed it mid-body
+        content_type = self.headers.get("Content-Type")
+        if (content_type or "").split(";")[0].strip().lower() != "application/json":
+            self._reply(415, {"error": f"Content-Type must be application/json, got {content_type!r}"})
+            return None
+        body = self.rfile.read(length)
+        if len(body) < length:  # the watchdog (or the client) closed it mid-body
             self.close_connection = True
+            return None
+        if self._more_than_declared():
+            self._reply(400, {"error": f"bad request: more body bytes than the declared Content-Length {length}"})
             return None
         self._watchdog.disarm()
         return body
+
+    def _more_than_declared(self) -> bool:
+        """Whether bytes beyond the declared body have already arrived (never waits, never reads them)."""
+        sock = self.connection
+        timeout = sock.gettimeout()
+        try:
+            sock.settimeout(0)  # a peek that finds nothing buffered returns at once
+            return bool(self.rfile.peek(1))
+        except OSError:
+            return False
+        finally:
+            try:
+                sock.settimeout(timeout)
+            except OSError:
+                pass
 
     def _parse_json(self, body: bytes):
         """The JSON body, or None after answering 400 (malformed, or nested too deeply)."""

@@ -27,8 +27,10 @@ capped exponential backoff and jitter, per-attempt timeouts, an optional per-req
 and at most `concurrency` requests in flight (a thread pool). A batch takes at most about
 ceil(requests / concurrency) x the per-request bound. A health check (GET /v1/models) runs
 before the first request and, when `model` is unset, takes the first served model. A server that
-stays down raises RemoteRewardError (the other requests of the batch stop early); a reply that is
-not a chat completion (non-JSON, no choices, HTTP 500, ...) is NaN and counted in
+stays down, or keeps answering 500 / 429 / 502-504 (retried like a dropped connection), raises
+RemoteRewardError (the other requests of the batch stop early), as does a redirect to another host (the
+bearer token never follows it); a reply that is not a chat completion (non-JSON, a Content-Type other
+than JSON, over max_response_bytes, no choices, HTTP 400, ...) is NaN and counted in
 counters["bad_responses"] (on_bad_response="nan", the default) or raises (on_bad_response="raise").
 The replies of the last call stay in `last_replies` for logging (with both_orders: the (a, b)
 replies of a micro-batch, then its (b, a) replies).

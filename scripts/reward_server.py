@@ -12,6 +12,7 @@ Beyond this machine, only with a token: `--host 0.0.0.0` is refused unless a bea
 (`--token` or the FLOWGRPO_REWARD_TOKEN environment variable; clients send it with `token: env:NAME`).
     FLOWGRPO_REWARD_TOKEN=$(openssl rand -hex 16) python scripts/reward_server.py --scorer pickscore --host 0.0.0.0
 Limits (each a flag): pixels per image and per request, body size, header / body / idle timeouts, open connections.
+Request bodies are application/json only (415 otherwise), with a Content-Length (411 without, 400 if invalid).
 """
 
 from __future__ import annotations
@@ -52,7 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
     parser.add_argument("--port", type=int, default=8123, help="port (0 picks a free one)")
-    parser.add_argument("--max-body-mb", type=int, default=512, help="largest accepted request body")
+    parser.add_argument(
+        "--max-body-mb",
+        type=int,
+        default=512,
+        help="largest accepted request body, in MiB (413 from its Content-Length, before any of it is read)",
+    )
     parser.add_argument(
         "--max-megapixels",
         type=float,

@@ -109,7 +109,7 @@ def test_json_output_parses(capsys):
     dapo = next(e for e in data["presets"]["entries"] if e["name"] == "dapo")
     assert dapo["settings"]["bounds"] == {"name": "asymmetric", "eps_low": 0.2, "eps_high": 0.28}
     remote = next(e for e in data["scorers"]["entries"] if e["name"] == "remote")
-    assert "url" in remote["required"] and remote["settings"]["retry_statuses"] == [429, 502, 503, 504]
+    assert "url" in remote["required"] and remote["settings"]["retry_statuses"] == [429, 500, 502, 503, 504]
     assert {e["name"] for e in data["families"]["entries"]} >= {"sd3", "flux"}
     assert data["scorers"]["source"] == "reward_models.registry"
 

@@ -203,10 +203,12 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    from reward_models.http_client import RemoteRewardError  # a reward server still failing after its retries
+
     try:
         config = load_eval_config(args.config, [*flag_overrides(args), *args.overrides])
         summary = evaluate(config)
-    except (ConfigError, EvaluationError) as err:
+    except (ConfigError, EvaluationError, RemoteRewardError) as err:
         print(f"flowgrpo evaluate: {err}", file=sys.stderr)
         return 2
     print(format_summary(summary, config))

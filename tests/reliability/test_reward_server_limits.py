@@ -256,3 +256,119 @@ def test_judge_clients_send_the_token(monkeypatch):
         assert seen == ["Bearer j-secret"] * 2
     finally:
         server.shutdown()
+
+
+# -- what the server reads: only JSON, only as much as declared, never more than max_body_bytes ------------
+
+
+def raw(url: str, data: bytes) -> tuple[int, dict]:
+    """Send `data` as it is; the status and the JSON error of the answer, which must be one line of JSON."""
+    with _connect(url) as sock:
+        sock.sendall(data)
+        answer = b""
+        while len(answer) < 1 << 20:
+            try:
+                chunk = sock.recv(65536)
+            except ConnectionResetError:  # the server closed on bytes it refused to read, after answering
+                break
+            if not chunk:
+                break
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/"), answer[:200]
+    assert b"content-type: application/json" in head.lower(), head
+    assert body.count(b"\n") == 0 and body, body[:300]  # one line of JSON, never an HTML page
+    return int(head.split()[1]), json.loads(body)
+
+
+def head_of(*lines: str, content_type: str | None = "application/json", path: str = "/score") -> bytes:
+    headers = [f"POST {path} HTTP/1.1", "Host: x", *([f"Content-Type: {content_type}"] if content_type else []), *lines]
+    return ("\r\n".join(headers) + "\r\n\r\n").encode("latin-1")
+
+
+def test_chunked_body_without_a_length_is_411(server):
+    url = server()
+    body = request(png(4, 4))
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    status, answer = raw(url, head_of("Transfer-Encoding: chunked") + chunked)
+    assert status == 411 and "chunked" in answer["error"], answer
+
+
+@pytest.mark.parametrize(
+    "lines",
+    [
+        ["Content-Length: abc"],
+        ["Content-Length: -5"],
+        ["Content-Length: \xb2"],  # a latin-1 "superscript two": str.isdigit() says yes, int() says no
+        ["Content-Length: 5", "Content-Length: 500"],
+        ["Content-Length: 40", "Transfer-Encoding: chunked"],  # which one frames the body? (request smuggling)
+    ],
+)
+def test_an_invalid_or_ambiguous_length_is_400(server, lines):
+    url = server()
+    status, answer = raw(url, head_of(*lines) + b"0" * 40)
+    assert status == 400, answer
+    assert "Content-Length" in answer["error"] or "Transfer-Encoding" in answer["error"], answer
+    assert post(url, request(png(4, 4)))[0] == 200  # and the server is still up
+
+
+def test_a_body_over_the_limit_is_413_before_any_of_it_is_read(server):
+    url = server("--max-body-mb", "1")
+    start = time.monotonic()
+    status, answer = raw(url, head_of(f"Content-Length: {2 * 2**20}"))  # the body never comes
+    assert status == 413 and "1048576" in answer["error"], answer
+    assert time.monotonic() - start < 5  # answered from the header, not after the body timeout
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "text/html", None])
+def test_a_body_that_is_not_json_is_415(server, content_type):
+    url = server()
+    body = request(png(4, 4))  # valid JSON, declared as something else
+    status, answer = raw(url, head_of(f"Content-Length: {len(body)}", content_type=content_type) + body)
+    assert status == 415 and "application/json" in answer["error"], answer
+    ok = head_of(f"Content-Length: {len(body)}", content_type="application/json; charset=utf-8") + body
+    assert raw_status(url, ok) == 200
+
+
+def raw_status(url: str, data: bytes) -> int:
+    with _connect(url) as sock:
+        sock.sendall(data)
+        return int(sock.recv(4096).split()[1])
+
+
+def test_more_bytes_than_declared_is_400(server):
+    url = server()
+    body = request(png(4, 4))
+    status, answer = raw(url, head_of(f"Content-Length: {len(body)}") + body + b'{"images": []}')
+    assert status == 400 and "more body bytes" in answer["error"], answer
+
+
+@pytest.mark.parametrize(
+    "data,code",
+    [
+        (b"PUT /score HTTP/1.1\r\nHost: x\r\n\r\n", 501),  # a method the server does not serve
+        (b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\n\r\n", 414),  # request line too long
+        (b"GET /health HTTP/1.1\r\n" + b"".join(b"X-%d: a\r\n" % i for i in range(120)) + b"\r\n", 431),
+        (b"GARBAGE\r\n\r\n", 400),
+    ],
+)
+def test_http_server_s_own_errors_are_one_line_json(server, data, code):
+    status, answer = raw(server(), data)
+    assert status == code and answer["error"], answer
+
+
+def test_the_detector_server_reads_only_json_too():
+    from reward_models.geneval import make_detector_server
+
+    detector = make_detector_server(lambda images, classes, colors: [[] for _ in images])
+    detector.serve_in_thread()
+    try:
+        body = json.dumps({"images": [png(4, 4)], "classes": [["cat"]]}).encode()
+        status, answer = raw(
+            detector.url, head_of(f"Content-Length: {len(body)}", content_type="text/plain", path="/detect") + body
+        )
+        assert status == 415, answer
+        assert raw_status(detector.url, head_of(f"Content-Length: {len(body)}", path="/detect") + body) == 200
+    finally:
+        detector.shutdown()
+        detector.server_close()

@@ -174,12 +174,14 @@ def test_flaky_server_is_retried(images):
     assert remote.counters["retries"] == 2
 
 
-def test_server_error_is_not_retried_and_is_named(images):
+def test_server_error_is_retried_then_named(images):
+    # a 500 (the server's scorer raised: often CUDA out of memory, which passes) is retried like a 503
     with serving(StubServer("error")) as url:
-        remote = RemoteScorer(url, **FAST)
-        with pytest.raises(RemoteRewardError, match=r"/score.*HTTP 500: CUDA out of memory"):
-            remote(images)
-    assert remote.counters["attempts"] == 2  # health + one post
+        remote = RemoteScorer(url, on_bad_response="nan", **FAST)
+        with pytest.raises(RemoteRewardError, match=r"/score failed: 3 attempt\(s\).*HTTP 500: CUDA out of memory"):
+            remote(images)  # loud even with on_bad_response="nan": a server that keeps failing is down
+    assert remote.counters["attempts"] == 1 + 3  # health + three posts
+    assert remote.counters["retries"] == 2 and remote.counters["bad_responses"] == 0
 
 
 @pytest.mark.parametrize(

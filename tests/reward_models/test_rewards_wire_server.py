@@ -81,8 +81,9 @@ def test_server_http_errors():
     server.serve_in_thread()
     try:
 
-        def post(path, body):
+        def post(path, body, content_type="application/json"):
             req = urllib.request.Request(server.url + path, data=body, method="POST")
+            req.add_header("Content-Type", content_type)
             try:
                 with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=5) as r:
                     return r.status, json.loads(r.read())
@@ -90,6 +91,8 @@ def test_server_http_errors():
                 return e.code, json.loads(e.read())
 
         assert post("/score", b"{not json")[0] == 400
+        # urllib's default for a body: the server reads only what it serves
+        assert post("/score", b"{}", "application/x-www-form-urlencoded")[0] == 415
         assert post("/nothing", b"{}")[0] == 404
         status, body = post(
             "/score", json.dumps({"images": [encode_png(Image.new("RGB", (2, 2), (255, 255, 255)))]}).encode()
