@@ -19,8 +19,63 @@ from pydantic import BaseModel, ValidationError
 M = TypeVar("M", bound=BaseModel)
 
 
+# A config file is a few KiB; this bounds what a wrong path (a checkpoint, a dataset) makes the loader read.
+MAX_CONFIG_BYTES = 4 * 2**20
+MAX_NESTING = 64  # mappings / lists inside each other (a config needs a handful)
+
+
+class _Refused(yaml.YAMLError):
+    """YAML that parses but is not a plain config (a duplicate key, an alias, a tag): the message says where."""
+
+
 class _Loader(yaml.SafeLoader):
-    """YAML 1.1 reads `1e-4` as a string; ML configs mean a float."""
+    """Plain YAML only: mappings, lists and scalars (block or flow style).
+
+    YAML 1.1 reads `1e-4` as a string; ML configs mean a float. A key given twice in one mapping is refused (the
+    second would silently replace the first), and so are anchors / aliases / merge keys (`&a`, `*a`, `<<`: a few
+    lines can expand to gigabytes, the 'billion laughs') and explicit tags (`!!python/...`, `!custom`).
+    """
+
+    _depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()
+        line = event.start_mark.line + 1
+        if isinstance(event, yaml.AliasEvent):
+            raise _Refused(f"alias '*{event.anchor}' at line {line}: anchors and aliases are not supported in a "
+                           "config (write the value out, or share a file through `base:`)")  # fmt: skip
+        if event.anchor is not None:
+            raise _Refused(f"anchor '&{event.anchor}' at line {line}: anchors and aliases are not supported in a "
+                           "config (write the value out, or share a file through `base:`)")  # fmt: skip
+        tag = getattr(event, "tag", None)
+        if tag is not None:
+            raise _Refused(f"tag '{tag}' at line {line}: YAML tags are not supported in a config (plain values only)")
+        if self._depth >= MAX_NESTING:
+            raise _Refused(f"nesting deeper than {MAX_NESTING} levels at line {line}")
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        if isinstance(node, yaml.MappingNode):
+            first: dict[Any, Any] = {}
+            for key_node, _ in node.value:
+                line = key_node.start_mark.line + 1
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    raise _Refused(f"merge key '<<' at line {line}: merge keys are not supported in a config")
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    earlier = first.setdefault(key, key_node)
+                except TypeError:  # an unhashable key: the constructor says so
+                    break
+                if earlier is not key_node:
+                    raise _Refused(
+                        f"duplicate key '{key}' at line {line} (first at line {earlier.start_mark.line + 1}): "
+                        "the second would silently replace the first; keep one"
+                    )
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(
@@ -37,10 +92,24 @@ class ConfigError(ValueError):
     """A config that cannot be used; the message says where and why."""
 
 
+class SettingError(ValueError):
+    """A bad value at `key`, a dotted path below the model whose validator raised it (`estimator.eps` in the
+    advantage section): `load_config` prefixes the section, so the line names the whole key."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}" if key else message)
+        self.key, self.message = key, message
+
+
 def parse_yaml(text: str, where: str = "YAML") -> Any:
-    """YAML -> Python; a syntax error is a one-line ConfigError with the line and column."""
+    """YAML -> Python; a syntax error, a duplicate key or YAML beyond plain values (anchors, aliases, merge keys,
+    tags) is a one-line ConfigError naming `where` and the line."""
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{where}: {len(text)} characters; a config is at most {MAX_CONFIG_BYTES // 2**20} MiB")
     try:
         return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    except _Refused as err:
+        raise ConfigError(f"{where}: {err}") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -104,6 +173,10 @@ def read_yaml_config(p: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         raise ConfigError(f"config file not found: {p}")
     if p.resolve() in _seen:
         raise ConfigError(f"{p}: `base` chain loops back to itself")
+    if (size := p.stat().st_size) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"{p}: {size} bytes; a config file is at most {MAX_CONFIG_BYTES // 2**20} MiB (is this the right file?)"
+        )
     loaded = parse_yaml(read_text_file(p, "config"), str(p)) or {}
     if not isinstance(loaded, dict):
         raise ConfigError(f"{p}: expected a mapping at the top level, got {type(loaded).__name__}")
@@ -130,9 +203,17 @@ def load_config(
     try:
         return model.model_validate(data)
     except ValidationError as err:
-        lines = [f"  {'.'.join(str(x) for x in e['loc']) or '(top level)'}: {e['msg']}" for e in err.errors()]
         where = f" ({path})" if path is not None else ""
-        raise ConfigError(f"invalid {model.__name__}{where}:\n" + "\n".join(lines)) from None
+        raise ConfigError(f"invalid {model.__name__}{where}:\n" + "\n".join(map(_error_line, err.errors()))) from None
+
+
+def _error_line(e: Any) -> str:
+    """One pydantic error as `  dotted.key: message` (a SettingError's key is added to the error's location)."""
+    loc = [str(x) for x in e["loc"]]
+    cause = (e.get("ctx") or {}).get("error")
+    if isinstance(cause, SettingError):
+        return f"  {'.'.join(loc + [cause.key] if cause.key else loc) or '(top level)'}: {cause.message}"
+    return f"  {'.'.join(loc) or '(top level)'}: {e['msg']}"
 
 
 def _renamed_override(item: str, renamed: Mapping[str, str]) -> str:

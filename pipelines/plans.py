@@ -16,6 +16,7 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
+from flowgrpo.core.config import FRACTION, NON_NEGATIVE, bound_settings, count, one_of
 from flowgrpo.core.registry import Registry
 
 PLANS = Registry("rollout plan")
@@ -155,6 +156,8 @@ def _window_start(
     min_iters: int,
 ) -> int:
     end = num_steps if range_end is None else range_end
+    if end > num_steps:  # a start past the chain would leave some iterations without any trained step
+        raise ValueError(f"range_end {end} lies past the chain's {num_steps} steps")
     last = end - size  # the last valid start
     if not 0 <= start <= last:
         raise ValueError(f"window of size {size} starting at {start} does not fit before step {end}")
@@ -166,6 +169,8 @@ def _window_start(
     if schedule == "progressive":  # high noise to low noise, rolling back to the start
         return positions[(iteration // iters_per_shift) % len(positions)]
     if schedule == "decay":  # fewer iterations per position as the window reaches low noise
+        if not 1 <= min_iters <= max_iters:
+            raise ValueError(f"decay schedule: need 1 <= min_iters <= max_iters, got {min_iters} and {max_iters}")
         n = len(positions)
         stay = [round(max_iters - (max_iters - min_iters) * p / max(n - 1, 1)) for p in range(n)]
         t = iteration % sum(stay)
@@ -331,6 +336,24 @@ def ode_only(
     return RolloutPlan(
         "ode_only", _chain(num_steps, [False] * num_steps, [False] * num_steps, [solver] * num_steps)
     ).validate()
+
+
+# Each setting's range, checked when the config loads (`flowgrpo.core.config.bound_settings`); what depends on the
+# number of steps (a window that fits, split steps inside the chain) is checked there by building the plan once.
+_SOLVERS = one_of("euler", "dpm2m")
+bound_settings(PLANS, "full_sde", train_fraction=FRACTION, random_subset=count(1))
+bound_settings(
+    PLANS, "window", size=count(1), schedule=one_of("fixed", "random", "progressive", "decay"), start=count(0),
+    range_end=count(1), stride=count(1), iters_per_shift=count(1), max_iters=count(1), min_iters=count(1),
+    post_solver=_SOLVERS, post_compress=FRACTION,
+)  # fmt: skip
+bound_settings(
+    PLANS, "tree", branch=count(2), noise_scale=NON_NEGATIVE, mix_window=count(1), mix_stride=count(1),
+    mix_iters_per_shift=count(1), mix_period=count(1),
+)  # fmt: skip
+bound_settings(PLANS, "branch_points", k=count(2), fraction=FRACTION)  # k siblings are z-scored: 1 learns nothing
+bound_settings(PLANS, "probes", window_start=count(0), window_end=count(1))
+bound_settings(PLANS, "ode_only", solver=_SOLVERS)
 
 
 def build_plan(name: str, num_steps: int, iteration: int = 0, seed: int = 0, **settings) -> RolloutPlan:

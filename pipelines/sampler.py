@@ -14,22 +14,29 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from flowgrpo.core.config import PartSpec, StrictModel
+from flowgrpo.core.config import NON_NEGATIVE, POSITIVE, PROBABILITY, PartSpec, StrictModel, bound_settings
 
 from .plans import RolloutPlan
 from .rollout import RolloutTree
 from .schedules import SIGMA_GRIDS, compress_tail, ddim_schedule, flow_schedule
 from .steps import KERNELS, StepOutput, rescore, step
 
+# The kernels' and grids' settings, checked when the config loads (the functions check them only at the first step)
+bound_settings(KERNELS, "flow_sde", a=NON_NEGATIVE)
+bound_settings(KERNELS, "dance_sde", eta=NON_NEGATIVE)
+bound_settings(KERNELS, "cps", a=PROBABILITY)
+bound_settings(KERNELS, "ddim", eta=PROBABILITY)
+bound_settings(SIGMA_GRIDS, "time_shift", shift=POSITIVE)
+
 
 class SamplerConfig(StrictModel):
     num_steps: int = Field(10, ge=1)
     sde_kernel: PartSpec = Field(default_factory=lambda: PartSpec(name="flow_sde"))
-    guidance_scale: float = 4.5
+    guidance_scale: float = Field(4.5, ge=0)  # CFG: uncond + scale (cond - uncond); 1 = the conditional alone
     negative_prompt: str = ""  # the unconditional branch of CFG
     cfg_mode: Literal["full", "none"] = "full"  # sampling; training re-scores with `train_cfg_mode`
     train_cfg_mode: Literal["full", "detach_uncond", "none"] = "detach_uncond"
-    shift: Optional[float] = None  # None: the adapter's scheduler config decides
+    shift: Optional[float] = Field(None, gt=0)  # None: the adapter's scheduler config decides
     # Sigma grid by name: "scheduler" (the model's diffusers scheduler) or {name: time_shift, shift: 3}
     # (DanceGRPO's sd3_time_shift over linspace(1, 0, n+1), which the FLUX GRPO papers use).
     schedule: PartSpec = Field(default_factory=lambda: PartSpec(name="scheduler"))
@@ -51,8 +58,8 @@ class SamplerConfig(StrictModel):
     inference_mode: bool = False
 
     def model_post_init(self, __context: Any) -> None:
-        self.sde_kernel.check(KERNELS)
-        self.schedule.check(SIGMA_GRIDS)
+        self.sde_kernel.check(KERNELS, "sde_kernel")
+        self.schedule.check(SIGMA_GRIDS, "schedule")
         if self.share_noise_size is not None and not self.share_noise:
             raise ValueError("sampler: share_noise_size sets the blocks that share a noise; it needs share_noise: true")
         if self.schedule.name != "scheduler" and self.shift is not None:

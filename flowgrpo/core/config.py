@@ -3,20 +3,140 @@
 from __future__ import annotations
 
 import difflib
-from typing import Any, Literal, Optional
+import math
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..config import SettingError
 from .advantages import ESTIMATORS
 from .losses import AGGREGATIONS, BOUNDS, KL_ESTIMATORS, PRESETS, RATIOS, STEP_WEIGHTINGS, SURROGATES
 from .registry import Registry
 from .transforms import TRANSFORMS
 
 
-class StrictModel(BaseModel):
-    """A pydantic model whose unknown keys raise with the list of valid keys."""
+@dataclass(frozen=True)
+class Bound:
+    """The valid values of one registry setting. Settings are a function's keyword arguments, so the registry knows
+    them by name only; a bound declared here (`bound_settings`) is checked when the config loads, before any folder
+    or model. A number: finite, in [low, high] (an end open where `*_open`), an int where `integer`; or a name
+    among `choices`."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    low: Optional[float] = None
+    high: Optional[float] = None
+    low_open: bool = False
+    high_open: bool = False
+    integer: bool = False
+    choices: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        if self.choices:
+            return "one of " + ", ".join(map(repr, self.choices))
+        kind = "an integer" if self.integer else "a finite number"
+        if self.low is not None and self.high is not None:
+            left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
+            return f"{kind} in {left}{self.low:g}, {self.high:g}{right}"
+        if self.low is not None:
+            return f"{kind} {'>' if self.low_open else '>='} {self.low:g}"
+        if self.high is not None:
+            return f"{kind} {'<' if self.high_open else '<='} {self.high:g}"
+        return kind
+
+    def allows(self, value: Any) -> bool:
+        if self.choices:
+            return isinstance(value, str) and value in self.choices
+        if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
+            return False
+        if not math.isfinite(value):
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+
+def at_least(low: float, *, integer: bool = False) -> Bound:
+    return Bound(low=low, integer=integer)
+
+
+def above(low: float) -> Bound:
+    return Bound(low=low, low_open=True)
+
+
+def count(low: int = 1) -> Bound:
+    """An integer >= low (a count, a size, a step index)."""
+    return Bound(low=low, integer=True)
+
+
+def between(low: float, high: float, *, low_open: bool = False, high_open: bool = False) -> Bound:
+    return Bound(low=low, high=high, low_open=low_open, high_open=high_open)
+
+
+def one_of(*choices: str) -> Bound:
+    return Bound(choices=choices)
+
+
+FINITE = Bound()
+PROBABILITY = between(0, 1)
+FRACTION = between(0, 1, low_open=True)  # (0, 1]
+POSITIVE = above(0)
+NON_NEGATIVE = at_least(0)
+
+# registry kind -> entry name -> setting -> bound (filled by `bound_settings`, next to each registry's users)
+SETTING_BOUNDS: dict[str, dict[str, dict[str, Bound]]] = {}
+
+
+def bound_settings(registry: Registry, name: str, **bounds: Bound) -> None:
+    """Declare the valid values of settings of `registry`'s entry `name` (a setting not declared is checked against
+    the type of its default: a finite number, an integer, a bool or a string)."""
+    valid = registry.get(name).settings
+    unknown = sorted(set(bounds) - set(valid))
+    if unknown:
+        raise ValueError(f"{registry.kind} '{name}' has no setting(s) {unknown} to bound")
+    SETTING_BOUNDS.setdefault(registry.kind, {}).setdefault(name, {}).update(bounds)
+
+
+def _default_bound(default: Any) -> Optional[Bound]:
+    """The implicit bound of a setting from its default: the same kind of value (None or a sequence: not checked)."""
+    if isinstance(default, bool):
+        return None  # checked as a bool by `setting_problem`
+    if isinstance(default, int):
+        return Bound(integer=True)
+    if isinstance(default, float):
+        return FINITE
+    return None
+
+
+def setting_problem(registry: Registry, name: str, setting: str, value: Any) -> Optional[str]:
+    """Why `value` is not valid for `setting` of the entry `name` (None: it is)."""
+    defaults = registry.get(name).settings
+    default = defaults.get(setting)
+    if value is None and default is None:
+        return None  # a setting that is off by default, left off
+    bound = SETTING_BOUNDS.get(registry.kind, {}).get(name, {}).get(setting) or _default_bound(default)
+    if bound is None:
+        if isinstance(default, bool) and not isinstance(value, bool):
+            return f"must be true or false, got {value!r} ({registry.kind} '{name}')"
+        if isinstance(default, str) and not isinstance(value, str):
+            return f"must be a string, got {value!r} ({registry.kind} '{name}')"
+        return None
+    if bound.allows(value):
+        return None
+    return f"must be {bound.describe()}, got {value!r} ({registry.kind} '{name}')"
+
+
+def check_setting_bounds(registry: Registry, name: str, settings: Mapping[str, Any], key: str = "") -> None:
+    """Raise a SettingError naming `key.setting` for the first setting outside its bound."""
+    for setting, value in settings.items():
+        if (problem := setting_problem(registry, name, setting, value)) is not None:
+            raise SettingError(f"{key}.{setting}" if key else setting, problem)
+
+
+class StrictModel(BaseModel):
+    """A pydantic model whose unknown keys raise with the list of valid keys, and whose floats are finite (a NaN
+    or inf setting passes no range check and silently misbehaves)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -34,7 +154,7 @@ class StrictModel(BaseModel):
 class PartSpec(BaseModel):
     """A named part with its settings. YAML: `name` or `{name: ..., setting: value, ...}`."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     name: str
     settings: dict[str, Any] = Field(default_factory=dict)
 
@@ -51,8 +171,11 @@ class PartSpec(BaseModel):
             }
         return data
 
-    def check(self, registry: Registry) -> "PartSpec":
+    def check(self, registry: Registry, key: str = "") -> "PartSpec":
+        """The name is registered, its settings exist and are within their bounds (`key`: where the part sits,
+        named in a bound's error)."""
         registry.get(self.name).check_settings(self.settings, registry.kind)
+        check_setting_bounds(registry, self.name, self.settings, key)
         return self
 
 
@@ -65,9 +188,9 @@ class AdvantageConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check_names(self) -> "AdvantageConfig":
-        self.estimator.check(ESTIMATORS)
-        for t in self.transforms:
-            t.check(TRANSFORMS)
+        self.estimator.check(ESTIMATORS, "estimator")
+        for i, t in enumerate(self.transforms):
+            t.check(TRANSFORMS, f"transforms.{i}")
         return self
 
 
@@ -75,7 +198,7 @@ class KLSpec(StrictModel):
     """KL to the reference policy, added to every action's loss as coef * estimator."""
 
     estimator: str = "k3"
-    coef: float = 0.0
+    coef: float = Field(default=0.0, ge=0)  # a negative coefficient would reward moving away from the reference
 
 
 class LossConfig(StrictModel):
@@ -88,8 +211,8 @@ class LossConfig(StrictModel):
     aggregation: PartSpec = Field(default_factory=lambda: PartSpec(name="token_mean"))
     step_weighting: PartSpec = Field(default_factory=lambda: PartSpec(name="none"))
     kl: KLSpec = Field(default_factory=KLSpec)
-    entropy_coef: float = 0.0
-    log_ratio_clamp: float = 20.0
+    entropy_coef: float = 0.0  # the entropy term's weight (finite; its sign is the user's choice)
+    log_ratio_clamp: float = Field(default=20.0, gt=0)  # |log ratio| is clamped to this before exp
 
     @model_validator(mode="before")
     @classmethod
@@ -121,10 +244,41 @@ class LossConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check_names(self) -> "LossConfig":
-        self.ratio.check(RATIOS)
-        self.bounds.check(BOUNDS)
-        self.surrogate.check(SURROGATES)
-        self.aggregation.check(AGGREGATIONS)
-        self.step_weighting.check(STEP_WEIGHTINGS)
+        self.ratio.check(RATIOS, "ratio")
+        self.bounds.check(BOUNDS, "bounds")
+        self.surrogate.check(SURROGATES, "surrogate")
+        self.aggregation.check(AGGREGATIONS, "aggregation")
+        self.step_weighting.check(STEP_WEIGHTINGS, "step_weighting")
         KL_ESTIMATORS.get(self.kl.estimator)
         return self
+
+
+# --- bounds of the core's registered settings (a count: >= 1; a probability: [0, 1]; ...) ---
+
+# an eps added to a spread before dividing by it: 0 gives exact z-scores (a group without spread is then 0 / 0),
+# a negative one can make the divisor 0 or flip its sign
+EPS = NON_NEGATIVE
+
+bound_settings(ESTIMATORS, "grpo", eps=EPS, std_scope=one_of("group", "batch", "none"))
+bound_settings(ESTIMATORS, "batch_whiten", eps=EPS)
+bound_settings(ESTIMATORS, "mc_grpo", mad_floor=POSITIVE)  # a MAD of 0 is common: the floor is the divisor
+bound_settings(ESTIMATORS, "ngrpo", num_virtual=count(0), eps=EPS)
+bound_settings(ESTIMATORS, "dgpo", eps=EPS, temperature=POSITIVE)
+bound_settings(ESTIMATORS, "a_grae", alpha=POSITIVE, eps=EPS, std_eps=EPS)
+bound_settings(ESTIMATORS, "w_reinforce", positive_weight=NON_NEGATIVE)
+bound_settings(ESTIMATORS, "gdpo", eps=EPS)
+bound_settings(ESTIMATORS, "win_rate", eps=EPS)
+bound_settings(ESTIMATORS, "sibling", eps=EPS)
+bound_settings(ESTIMATORS, "turning_point", eta=NON_NEGATIVE, balance_by=one_of("trend", "bonus"), eps=EPS)
+bound_settings(ESTIMATORS, "value_anchored", gamma=PROBABILITY, k=NON_NEGATIVE, absolute_steps=count(0), eps=POSITIVE)
+bound_settings(ESTIMATORS, "tree_depth", fusion=one_of("mean", "softmax"), eps=EPS, min_std=NON_NEGATIVE)
+bound_settings(TRANSFORMS, "clip", max=POSITIVE)
+bound_settings(TRANSFORMS, "filter_zero_std", tol=NON_NEGATIVE)
+bound_settings(TRANSFORMS, "top_bottom_k", k=count(1))
+bound_settings(TRANSFORMS, "nft_optimality", adv_clip_max=POSITIVE)
+bound_settings(BOUNDS, "symmetric", eps=NON_NEGATIVE)
+bound_settings(BOUNDS, "asymmetric", eps_low=PROBABILITY, eps_high=NON_NEGATIVE)
+bound_settings(BOUNDS, "dcpo", eps_low=NON_NEGATIVE, eps_high=NON_NEGATIVE)
+bound_settings(SURROGATES, "ppo_clip", dual_clip=above(1), delta=above(1))  # both cap a ratio above 1
+bound_settings(SURROGATES, "sapo", tau_pos=POSITIVE, tau_neg=POSITIVE)
+bound_settings(AGGREGATIONS, "token_mean", scale=POSITIVE)

@@ -49,13 +49,13 @@ class GenerateInput(StrictModel):
     max_prompts: Optional[int] = Field(default=None, ge=1)
     images_per_prompt: int = Field(default=1, ge=1)
     num_steps: int = Field(default=28, ge=1)
-    guidance_scale: float = 4.5
+    guidance_scale: float = Field(default=4.5, ge=0)
     cfg_mode: Literal["full", "none"] = "full"  # "none" for guidance-distilled models (FLUX dev / schnell)
     solver: Literal["euler", "dpm2m"] = "euler"
-    shift: Optional[float] = None  # None: the model's scheduler config decides
+    shift: Optional[float] = Field(default=None, gt=0)  # None: the model's scheduler config decides
     height: int = Field(default=512, ge=8)
     width: int = Field(default=512, ge=8)
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, lt=2**63)  # torch generators take [0, 2**63)
     batch_size: int = Field(default=4, ge=1)  # prompts per sampler call (each with images_per_prompt images)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "auto"  # auto | cpu | cuda | cuda:1 ...
@@ -130,7 +130,7 @@ class StatsConfig(StrictModel):
 
     confidence: float = Field(default=0.95, gt=0, lt=1)
     resamples: int = Field(default=2000, ge=1)
-    seed: int = 0
+    seed: int = Field(default=0, ge=0)  # numpy's default_rng refuses a negative seed
 
 
 class EvalConfig(StrictModel):

@@ -3,7 +3,7 @@ on-policy check, EMA."""
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 from pydantic import Field, model_validator
 
@@ -19,22 +19,26 @@ class UpdateConfig(StrictModel):
     shuffle: bool = True  # a new seeded order of the rows at every pass
 
 
+# An Adam beta: a moment's decay per step, in [0, 1) (torch refuses anything else, but only once the models are built)
+Beta = Annotated[float, Field(ge=0, lt=1)]
+
+
 class OptimConfig(StrictModel):
     lr: float = Field(1e-5, ge=0)
     schedule: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: int = Field(0, ge=0)
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    max_grad_norm: Optional[float] = 1.0  # None = no clipping (the norm is still logged)
+    weight_decay: float = Field(0.0, ge=0)  # negative: the weights would grow every step
+    betas: tuple[Beta, Beta] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)  # Adam's denominator floor (0: a weight whose gradient is 0 becomes NaN)
+    max_grad_norm: Optional[float] = Field(1.0, gt=0)  # None = no clipping (the norm is still logged)
 
 
 class RatioCheckConfig(StrictModel):
     """The live on-policy check: the first pass over a fresh batch must give ratio 1."""
 
     enabled: bool = True
-    tolerance: float = 1e-4
+    tolerance: float = Field(1e-4, gt=0)
 
 
 class CheckpointConfig(StrictModel):

@@ -7,17 +7,17 @@ here, before any model is loaded, so an impossible combination fails in a second
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable, Literal, Optional
+from typing import Annotated, Any, Iterable, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
-from ..config import load_config, output_dir_problem
+from ..config import SettingError, load_config, output_dir_problem
 from ..guards import GuardConfig
 from ..core import AdvantageConfig, LossConfig, PartSpec, StrictModel
 from ..core.advantages import ESTIMATORS
 from ..run.config import CheckpointConfig, EMAConfig, OptimConfig, RatioCheckConfig, UpdateConfig
 from .methods import METHODS, method_class
-from pipelines.plans import PLANS
+from pipelines.plans import PLANS, build_plan
 from pipelines.sampler import SamplerConfig
 from pipelines.speed import SpeedConfig
 
@@ -30,10 +30,13 @@ DEFAULTS: dict[str, Any] = {
 # Loss parts that treat a row as a sequence: an image action (one transition) is its own row here.
 SEQUENCE_PARTS = {"sequence", "sequence_token"}
 
+Seed = Annotated[int, Field(ge=0, lt=2**63)]  # torch generators take [0, 2**63) without wrapping
+Beta = Annotated[float, Field(ge=0, lt=1)]  # an Adam beta
+
 
 class ImageLoraConfig(StrictModel):
     rank: int = Field(8, ge=1)
-    alpha: Optional[float] = None  # None: = rank
+    alpha: Optional[float] = Field(None, gt=0)  # None: = rank (the update is scaled by alpha / rank: 0 trains nothing)
     init: Literal["gaussian", "default"] = "gaussian"
     target_modules: Optional[list[str]] = None  # None: the family's published targets
 
@@ -43,7 +46,7 @@ class ImageModelConfig(StrictModel):
     pretrained: Optional[str] = None  # a local diffusers pipeline folder or a hub id
     tiny: bool = False  # random tiny weights (tests, CPU demos)
     tiny_options: dict[str, Any] = Field(default_factory=dict)  # qk_norm, guidance_embeds, ...
-    init_seed: int = 0  # tiny weights depend on this only, not on the run's seed
+    init_seed: Seed = 0  # tiny weights depend on this only, not on the run's seed
     options: dict[str, Any] = Field(default_factory=dict)  # from_pretrained kw (variant, max_sequence_length ...)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # frozen weights; step maths is always fp32
     device: str = "auto"
@@ -94,9 +97,10 @@ class RewardConfig(PartSpec):
 class EdgeConfig(StrictModel):
     """Which stored transitions enter the loss (sampling and rewards are never changed by this)."""
 
-    depth_pruning: Optional[list[int]] = None  # BranchGRPO: node depths whose edges are not trained
-    depth_pruning_slide_every: Optional[int] = None  # pruned depths move one level up every k iterations
-    width_pruning: Optional[float] = None  # BranchGRPO: keep ratio of the last split's children
+    # BranchGRPO: node depths (1 .. sampler.num_steps) whose edges are not trained
+    depth_pruning: Optional[list[Annotated[int, Field(ge=1)]]] = None
+    depth_pruning_slide_every: Optional[int] = Field(None, ge=1)  # pruned depths move one level up every k iterations
+    width_pruning: Optional[float] = Field(None, gt=0, le=1)  # BranchGRPO: keep ratio of the last split's children
     width_pruning_mode: Literal[1, 2] = 1
     drop_zero_advantage: bool = True  # edges with A = 0 add no gradient (unless KL is on)
     # DanceGRPO / Pref-GRPO: each sample trains its own random int(fraction * n) of the plan's n trained
@@ -113,7 +117,7 @@ class NFTConfig(StrictModel):
     adv_max: float = Field(5.0, gt=0)  # A -> r = clip(A / adv_max / 2 + 0.5, 0, 1)
     timestep_fraction: float = Field(0.99, gt=0, le=1)
     decay: Literal["on_policy", "linear", "delayed"] = "linear"  # old <- lambda old + (1 - lambda) new
-    kl_coef: float = 0.0  # beta_KL * |v - v_ref|^2 (0.0001 in the release)
+    kl_coef: float = Field(0.0, ge=0)  # beta_KL * |v - v_ref|^2 (0.0001 in the release)
 
 
 class AdversarialConfig(StrictModel):
@@ -124,8 +128,8 @@ class AdversarialConfig(StrictModel):
     references: Optional[str] = None  # folder of reference images (all prompts), or
     reference_generator: Optional[Literal["bright", "dark"]] = None  # synthetic references (tests, demos)
     d_times: int = Field(10, ge=2)  # D updates on iterations with (it + 1) % d_times != 0
-    lr: float = 1e-4
-    betas: tuple[float, float] = (0.5, 0.999)
+    lr: float = Field(1e-4, ge=0)
+    betas: tuple[Beta, Beta] = (0.5, 0.999)
 
     @model_validator(mode="after")
     def _refs(self) -> "AdversarialConfig":
@@ -139,10 +143,10 @@ class HeldOutEvalConfig(StrictModel):
     own config (flowgrpo.evaluation.config.EvalConfig)."""
 
     every: int = Field(0, ge=0)  # iterations between evaluations; 0 = off
-    num_steps: Optional[int] = None  # ODE steps (default: the sampler's)
+    num_steps: Optional[int] = Field(None, ge=1)  # ODE steps (default: the sampler's)
     images_per_prompt: int = Field(1, ge=1)
     use_ema: bool = True
-    seed: int = 1234  # the same noise at every evaluation
+    seed: Seed = 1234  # the same noise at every evaluation
 
 
 class ArtifactsConfig(StrictModel):
@@ -166,10 +170,10 @@ class ArtifactsConfig(StrictModel):
 
 
 class T2IConfig(StrictModel):
-    seed: int = 0
+    seed: Seed = 0
     output_dir: str = "outputs/t2i"
     iterations: int = Field(20, ge=0)
-    stop_after: Optional[int] = None  # stop here as if interrupted; resume continues to `iterations`
+    stop_after: Optional[int] = Field(None, ge=0)  # stop here as if interrupted; resume continues to `iterations`
     method: str = "grpo"  # a registered method (flowgrpo.t2i.methods.METHODS): grpo, nft
     model: ImageModelConfig = Field(default_factory=lambda: ImageModelConfig(tiny=True))
     data: PromptSetConfig = Field(default_factory=lambda: PromptSetConfig(prompts=["a photo of a cat"]))
@@ -198,7 +202,7 @@ class T2IConfig(StrictModel):
     guards: GuardConfig = Field(default_factory=GuardConfig)  # non-finite rewards / gradients (flowgrpo.guards)
     resume: bool = False
     progress: bool = True
-    num_threads: Optional[int] = None
+    num_threads: Optional[int] = Field(None, ge=1)
     deterministic: bool = False
 
     @field_validator("method")
@@ -209,7 +213,7 @@ class T2IConfig(StrictModel):
 
     @model_validator(mode="after")
     def _combinations(self) -> "T2IConfig":
-        self.plan.check(PLANS)
+        self.plan.check(PLANS, "plan")
         if not self.rewards:
             raise ValueError("rewards: at least one scorer is needed")
         if problem := output_dir_problem(self.output_dir):
@@ -229,6 +233,7 @@ class T2IConfig(StrictModel):
             raise ValueError(problem)
         if problem := _estimator_problem(self):
             raise ValueError(problem)
+        _check_plan(self)
         if self.rollout_split > 1 and (problem := _split_problem(self, est, plan)):
             raise ValueError(f"rollout_split {self.rollout_split}: {problem}")
         needs = ESTIMATORS.get(est)
@@ -269,6 +274,22 @@ class T2IConfig(StrictModel):
         if self.adversarial.enabled and self.adversarial.reward not in labels:
             raise ValueError(f"adversarial.reward '{self.adversarial.reward}' is not among rewards {labels}")
         return self
+
+
+def _check_plan(cfg: T2IConfig) -> None:
+    """Build the plan once for the sampler's steps (what depends on them: a window that fits, split steps inside the
+    chain), so that it fails here and not after the run folder exists; a method that trains the plan's edges needs
+    at least one trained step."""
+    plan, steps = cfg.plan, cfg.sampler.num_steps
+    try:
+        built = build_plan(plan.name, steps, 0, cfg.seed, **plan.settings)
+    except (ValueError, TypeError) as err:
+        raise SettingError("plan", f"'{plan.name}' with sampler.num_steps {steps}: {err}") from None
+    if method_class(cfg.method).per_sample_steps and not built.trained_steps:  # GRPO trains the plan's edges
+        raise SettingError("plan", f"'{plan.name}' trains none of the {steps} steps: the run would learn nothing")
+    depths = cfg.edges.depth_pruning or []
+    if any(d > steps for d in depths):
+        raise SettingError("edges.depth_pruning", f"node depths lie in [1, {steps}] (sampler.num_steps), got {depths}")
 
 
 def _reward_kinds(cfg: T2IConfig) -> list[str]:

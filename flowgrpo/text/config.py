@@ -8,11 +8,11 @@ loss preset (named like TRL's `loss_type`) and loss part is selectable here by n
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable, Literal, Optional, Union
+from typing import Annotated, Any, Iterable, Literal, Optional, Union
 
 from pydantic import Field, field_validator, model_validator
 
-from ..config import load_config, move_renamed_keys, output_dir_problem
+from ..config import SettingError, load_config, move_renamed_keys, output_dir_problem
 from ..core import AdvantageConfig, LossConfig, PartSpec, StrictModel
 from ..core.advantages import ESTIMATORS
 from ..guards import GuardConfig
@@ -31,6 +31,8 @@ RENAMED_KEYS: dict[str, str] = {
     "model.lora.r": "model.lora.rank",
 }
 
+Seed = Annotated[int, Field(ge=0, lt=2**63)]  # torch generators take [0, 2**63) without wrapping
+
 # Merged under every config file, key by key (a file only states what differs).
 DEFAULTS: dict[str, Any] = {
     "advantage": {"estimator": "grpo", "head_nan_policy": "ignore_head"},
@@ -41,14 +43,24 @@ DEFAULTS: dict[str, Any] = {
 class TinyModelConfig(StrictModel):
     """A random Qwen2 built in code with a byte-level tokenizer (tests, demos; no download)."""
 
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 128
-    max_position_embeddings: int = 256
+    hidden_size: int = Field(64, ge=1)
+    num_layers: int = Field(2, ge=1)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int = Field(2, ge=1)
+    intermediate_size: int = Field(128, ge=1)
+    max_position_embeddings: int = Field(256, ge=1)
     tie_word_embeddings: bool = True
-    init_seed: int = 0  # weights depend on this seed only, not on the run's seed
+    init_seed: Seed = 0  # weights depend on this seed only, not on the run's seed
+
+    @model_validator(mode="after")
+    def _heads(self) -> "TinyModelConfig":
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise SettingError(
+                "",
+                f"num_heads ({self.num_heads}) must divide hidden_size ({self.hidden_size}) and num_kv_heads "
+                f"({self.num_kv_heads}) must divide num_heads",
+            )
+        return self
 
 
 class TextLoraConfig(StrictModel):
@@ -56,7 +68,7 @@ class TextLoraConfig(StrictModel):
 
     enabled: bool = False
     rank: int = Field(8, ge=1)
-    alpha: float = 16.0
+    alpha: float = Field(16.0, gt=0)  # the update is scaled by alpha / rank: 0 trains nothing
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
@@ -101,7 +113,7 @@ class TextDataConfig(StrictModel):
     chat_template: bool = True  # apply the tokenizer's chat template when it has one
     system_prompt: Optional[str] = None  # prepended as a system message when the template is applied
     shuffle: bool = True  # a new permutation each epoch (seeded)
-    max_rows: Optional[int] = None
+    max_rows: Optional[int] = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _one_source(self) -> "TextDataConfig":
@@ -119,7 +131,7 @@ class VLLMConfig(StrictModel):
 
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
     tensor_parallel_size: int = Field(1, ge=1)
-    max_model_len: Optional[int] = None  # default: max prompt length + max_new_tokens
+    max_model_len: Optional[int] = Field(None, ge=1)  # default: max prompt length + max_new_tokens
     dtype: str = "auto"
     enable_prefix_caching: bool = True  # the G samples of a prompt share its KV blocks
     enable_sleep_mode: bool = False  # free the KV cache while the policy trains
@@ -137,8 +149,8 @@ class GenerationConfig(StrictModel):
     top_k: int = Field(0, ge=0)  # 0 = off
     # top_p / top_k / min_p / repetition_penalty change what is sampled but not the recomputed
     # log-probs (those of the temperature-scaled full distribution, as in TRL)
-    min_p: Optional[float] = None
-    repetition_penalty: Optional[float] = None
+    min_p: Optional[float] = Field(None, ge=0, le=1)
+    repetition_penalty: Optional[float] = Field(None, gt=0)
     batch_size: int = Field(64, ge=1)  # sequences per generate call
     mask_truncated: bool = False  # DAPO overlong filtering: truncated completions leave the loss
     # record the sampler's log-prob of every token (always on with vLLM): the trainer then measures
@@ -194,7 +206,8 @@ class RewardSpec(PartSpec):
 class TextUpdateConfig(UpdateConfig):
     """How one generation batch (P x G sequences) is used: the shared passes, and the text forward's switches."""
 
-    logprob_batch_size: Optional[int] = None  # sequences per no-grad log-prob pass (default micro_batch_size)
+    # sequences per no-grad log-prob pass (default micro_batch_size)
+    logprob_batch_size: Optional[int] = Field(None, ge=1)
     # run each distinct prompt of a micro-batch once and repeat its key/value cache for the completions
     # that share it (fewer FLOPs, same maths). auto: on when it agrees with the plain forward on the
     # first batch (to a tenth of ratio_check.tolerance in log-prob); true / false: always / never
@@ -220,7 +233,7 @@ class DynamicSamplingConfig(StrictModel):
 
     enabled: bool = False
     max_extra_rounds: int = Field(3, ge=0)  # extra generation rounds per step at most
-    min_std: float = 0.0  # a group needs a reward std above this to stay
+    min_std: float = Field(0.0, ge=0)  # a group needs a reward std above this to stay
 
 
 class TextRatioCheckConfig(RatioCheckConfig):
@@ -239,10 +252,11 @@ class TextRatioCheckConfig(RatioCheckConfig):
 
 
 class TextConfig(StrictModel):
-    seed: int = 0
+    seed: Seed = 0
     output_dir: str = "outputs/text"
     iterations: int = Field(20, ge=0)  # training steps of the run
-    stop_after: Optional[int] = None  # stop at this step (as if interrupted); resume continues to `iterations`
+    # stop at this step (as if interrupted); resume continues to `iterations`
+    stop_after: Optional[int] = Field(None, ge=0)
     method: str = "grpo"  # a registered text method (flowgrpo.text.methods.METHODS)
     model: TextModelConfig = Field(default_factory=TextModelConfig)
     data: TextDataConfig = Field(default_factory=lambda: TextDataConfig(task=TaskConfig(name="pattern")))
@@ -265,7 +279,7 @@ class TextConfig(StrictModel):
     guards: GuardConfig = Field(default_factory=GuardConfig)  # non-finite rewards / gradients (flowgrpo.guards)
     resume: bool = False
     progress: bool = True
-    num_threads: Optional[int] = None  # torch CPU threads (fix it for bit-exact comparisons)
+    num_threads: Optional[int] = Field(None, ge=1)  # torch CPU threads (fix it for bit-exact comparisons)
     deterministic: bool = False  # torch.use_deterministic_algorithms
 
     @model_validator(mode="before")

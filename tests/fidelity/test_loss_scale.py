@@ -86,5 +86,5 @@ def test_scale_defaults_to_the_plain_mean_and_rejects_nonpositive():
         advantages=torch.ones(2),
         mask=torch.ones(2, 1, dtype=torch.bool),
     )
-    with pytest.raises(ValueError, match="scale must be > 0"):
+    with pytest.raises(ValueError, match=r"scale: must be a finite number > 0"):
         policy_loss(inputs, LossConfig(preset="flow_grpo", aggregation={"scale": 0.0}))

@@ -53,7 +53,10 @@ def test_split_groups_are_credited_whole(tmp_path):
         (["rollout_split=3"], "must divide group_size 8"),
         (["rollout_split=2", "rollout_prompts=2"], "rollout_prompts 1"),
         (["rollout_split=2", "method=nft", "sampler.cfg_mode=none"], "method grpo"),
-        (["rollout_split=2", "plan={name: tree}", "advantage.estimator.name=tree_depth"], "chain plan"),
+        (
+            ["rollout_split=2", "plan={name: tree, split_steps: [0, 3]}", "advantage.estimator.name=tree_depth"],
+            "chain plan",
+        ),
         (["rollout_split=2", "sampler.share_noise=true"], "share_noise_size"),
     ],
 )
