@@ -1,22 +1,30 @@
 """Make `import torchvision` work on a CPU-only torch with PyPI's (CUDA-built) torchvision.
 
 PyPI has no CPU build of torchvision. Its CUDA wheel imports on a CPU torch except that its compiled
-ops never load, and then `_meta_registrations` fails with "operator torchvision::nms does not exist".
-transformers, diffusers, peft and open_clip all import torchvision when it is installed, so that one
-failure breaks every model import. This hook runs on the first `import torchvision`: it tries the real
-import, and only on that exact failure it declares the two op schemas (so the registration succeeds)
-and imports again. `torchvision.ops.nms` then raises a clear "Couldn't load custom C++ ops" error; the
-transforms and models work. Installing the hook imports nothing.
+ops never load (`torchvision.extension` swallows that), and then `_meta_registrations` fails with
+"operator torchvision::nms does not exist". transformers, diffusers, peft, timm and open_clip all
+import torchvision when it is installed, so that one failure breaks every model import (and
+`accelerate launch`, whose CLI imports timm). This hook wraps the loader of `torchvision.extension`:
+once that module has run and its compiled ops did not load, it declares the two op schemas that
+`_meta_registrations` needs, so the import goes through. `torchvision.ops.nms` then raises a clear
+"Couldn't load custom C++ ops" error; the transforms and models work. Where the compiled ops load (a
+matching CUDA or CPU build) it does nothing.
+
+It is installed twice over, both cheap (installing imports nothing; the finder answers only for
+`torchvision.extension`):
+- by `import flowgrpo` / `pipelines` / `reward_models` (each imports this module first), and
+- at every `import torch`, through the `torch.backends` entry point in pyproject.toml (torch calls
+  its device-backend plug-ins at the end of its own import, before anything can import torchvision's
+  parts). That makes `accelerate launch ... scripts/train_t2i.py ...` work as printed: accelerate's
+  CLI imports timm -> torchvision before any flowgrpo code runs. `TORCH_DEVICE_BACKEND_AUTOLOAD=0`
+  turns torch's plug-ins off, and with them this second path.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import sys
 
+_TARGET = "torchvision.extension"
 _SCHEMAS = (
     "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
     "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
@@ -24,58 +32,55 @@ _SCHEMAS = (
 _LIBRARIES: list = []  # the op declarations live as long as their Library objects
 
 
-def _drop_half_imported() -> None:
-    for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
-        del sys.modules[name]
+def _declare_missing_ops() -> None:
+    import torch
+
+    missing = [s for s in _SCHEMAS if not hasattr(torch.ops.torchvision, s.split("(", 1)[0])]
+    if not missing:
+        return
+    lib = torch.library.Library("torchvision", "FRAGMENT")
+    for schema in missing:
+        lib.define(schema)
+    _LIBRARIES.append(lib)
 
 
-def _import_torchvision():
-    try:
-        return importlib.import_module("torchvision")
-    except RuntimeError as err:
-        if "torchvision::" not in str(err):
-            raise
-        import torch
+class _ExtensionLoader:
+    """torchvision.extension's own loader, then the op schemas if its compiled ops did not load."""
 
-        _drop_half_imported()
-        lib = torch.library.Library("torchvision", "FRAGMENT")
-        for schema in _SCHEMAS:
-            lib.define(schema)
-        _LIBRARIES.append(lib)
-        return importlib.import_module("torchvision")
-
-
-class _Existing(importlib.abc.Loader):
-    """Hands the import system the module the hook already imported."""
-
-    def __init__(self, module):
-        self.module = module
+    def __init__(self, loader):
+        self.loader = loader
 
     def create_module(self, spec):
-        return self.module
+        return self.loader.create_module(spec)
 
     def exec_module(self, module) -> None:
+        self.loader.exec_module(module)
+        has_ops = getattr(module, "_has_ops", None)
+        if has_ops is not None and not has_ops():
+            _declare_missing_ops()
+
+    def __getattr__(self, name):  # get_source, get_filename, ... for tracebacks and inspect
+        return getattr(self.loader, name)
+
+
+class _TorchvisionFinder:
+    def find_spec(self, name, path=None, target=None):
+        if name != _TARGET:
+            return None
+        from importlib.machinery import PathFinder
+
+        spec = PathFinder.find_spec(name, path)
+        if spec is not None and spec.loader is not None and not isinstance(spec.loader, _ExtensionLoader):
+            spec.loader = _ExtensionLoader(spec.loader)
+        return spec
+
+    def invalidate_caches(self) -> None:
         pass
 
 
-class _TorchvisionFinder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name != "torchvision":
-            return None
-        sys.meta_path.remove(self)  # once; the nested import below takes the normal path
-        # not installed (it is only in the `clip` extra): say so the way every finder does, with None,
-        # so `importlib.util.find_spec("torchvision")` (transformers' availability check) gives None
-        if importlib.util.find_spec(name) is None:
-            return None
-        module = _import_torchvision()
-        return importlib.machinery.ModuleSpec(
-            name, _Existing(module), origin=getattr(module, "__file__", None), is_package=True
-        )
-
-
 def install() -> None:
-    """Idempotent. A no-op when torchvision is already imported."""
-    if "torchvision" in sys.modules or any(isinstance(f, _TorchvisionFinder) for f in sys.meta_path):
+    """Idempotent and cheap (imports nothing). A no-op once torchvision's extension is imported."""
+    if _TARGET in sys.modules or any(isinstance(f, _TorchvisionFinder) for f in sys.meta_path):
         return
     sys.meta_path.insert(0, _TorchvisionFinder())
 

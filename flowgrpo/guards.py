@@ -16,7 +16,6 @@ reward check gives the early, specific message. Checkpoints refuse non-finite te
 
 from __future__ import annotations
 
-import logging
 import math
 import warnings
 from typing import Any, Iterable
@@ -26,8 +25,6 @@ from pydantic import Field
 
 from .checkpoint import local_part
 from .core import StrictModel
-
-log = logging.getLogger(__name__)
 
 
 class NonFiniteError(RuntimeError):
@@ -110,8 +107,9 @@ class NonFiniteGuard:
         self.streak = self.streak + 1 if bad else 0
         record["guard/bad_streak"] = self.streak
         if problems:
+            # one channel: a warning (filters, pytest.warns); `flowgrpo train-*` shows it as one log line
+            # (cli._configure_logging). Logging it as well printed every such warning twice.
             msg = f"{self.unit} {index}: " + "; ".join(problems)
-            log.warning(msg)
             warnings.warn(msg, NonFiniteWarning, stacklevel=2)
         self._reset()
         if self.streak >= self.config.max_bad_updates:

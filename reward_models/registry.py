@@ -14,7 +14,9 @@ import difflib
 import functools
 import importlib
 import inspect
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 # Modules whose import registers the built-in scorers.
@@ -36,6 +38,13 @@ _BUILTIN_MODULES = (
     "reward_models.adversarial",
 )
 KINDS = ("pointwise", "pairwise")
+
+
+class ScorerWeightsError(FileNotFoundError, ValueError):
+    """A scorer's weights cannot be found: the one-line message names the scorer, the hub id or local path, and
+    what to do (download them, allow downloads, or point `model:` at a local folder). A FileNotFoundError (what
+    transformers and the hub raise for it) and a ValueError (a config that cannot be used: the trainers and
+    `flowgrpo evaluate` answer it in one line, exit 2)."""
 
 
 class UnknownScorerError(KeyError):
@@ -168,8 +177,15 @@ def available(kind: str | None = None) -> list[str]:
     return sorted(n for n, e in _ENTRIES.items() if kind is None or e.kind == kind)
 
 
+# Keys a trainer's reward entry takes beside the scorer's own settings (`rewards: [{name, weight, alias, ...}]`);
+# named in the message for a misspelt setting, since that is where users type them.
+ENTRY_KEYS = ("weight", "alias")
+
+
 def build_scorer(config: "str | Mapping[str, Any] | ScorerConfig", **overrides: Any):
-    """Build a scorer from a config; `overrides` win over the config's settings."""
+    """Build a scorer from a config; `overrides` win over the config's settings. Weights that cannot be found (not
+    in the hub cache offline, no such local folder, no such hub repo) raise ScorerWeightsError, a ValueError whose
+    one-line message names the scorer, the hub id or path and what to do."""
     cfg = ScorerConfig.parse(config)
     entry = get_entry(cfg.name)
     settings = {**cfg.settings, **overrides}
@@ -177,9 +193,106 @@ def build_scorer(config: "str | Mapping[str, Any] | ScorerConfig", **overrides: 
     for key in settings:
         if key not in valid:
             raise ValueError(
-                f"scorer '{cfg.name}' has no setting '{key}'{_suggest(key, valid)}; valid settings: {sorted(valid)}"
+                f"scorer '{cfg.name}' has no setting '{key}'{_suggest(key, [*valid, *ENTRY_KEYS])}; valid settings: "
+                f"{sorted(valid)} (a trainer's reward entry also takes {', '.join(map(repr, ENTRY_KEYS))})"
             )
     missing = [k for k, v in valid.items() if v is inspect.Parameter.empty and k not in settings]
     if missing:
         raise ValueError(f"scorer '{cfg.name}' needs setting(s) {missing}")
-    return entry.factory(**settings)
+    if not settings.get("tiny"):
+        if problem := _missing_local_path(cfg.name, settings, valid):
+            raise ScorerWeightsError(problem)
+    try:
+        return entry.factory(**settings)
+    except ScorerWeightsError:
+        raise  # a nested scorer's (multi, pointwise_as_pairwise): it names itself
+    except Exception as err:
+        problem = _hub_problem(cfg.name, {**valid, **settings}, err)
+        if problem is None:
+            raise
+        raise ScorerWeightsError(problem) from err
+
+
+# --- weights that cannot be found -----------------------------------------------------------------------------
+
+# settings that name weights (a local path or a hub id), in the order they are named in a message
+_WEIGHT_SETTINGS = ("model", "processor", "tokenizer", "head")
+
+
+def _looks_like_path(value: str) -> bool:
+    """A value no hub id can be: absolute, ./ ../ ~, or more than one '/' (a hub id is 'name' or 'owner/name')."""
+    return value.startswith(("/", ".", "~", "\\")) or value.count("/") > 1 or "\\" in value
+
+
+def _missing_local_path(name: str, settings: Mapping[str, Any], valid: Mapping[str, Any]) -> str | None:
+    """A weight setting given as a local path that does not exist (checked before anything loads)."""
+    for key in _WEIGHT_SETTINGS:
+        value = settings.get(key)
+        if not isinstance(value, str) or not _looks_like_path(value) or Path(value).expanduser().exists():
+            continue
+        default = valid.get(key)
+        hint = f", or a hub id such as its default '{default}'" if isinstance(default, str) else ""
+        return (
+            f"{name}: `{key}: {value}` is a local path that does not exist (resolved: "
+            f"{Path(value).expanduser().resolve()}); point `{key}:` at the folder or file holding the weights{hint}"
+        )
+    return None
+
+
+def _error_chain(err: BaseException) -> list[BaseException]:
+    chain: list[BaseException] = []
+    while err is not None and err not in chain:
+        chain.append(err)
+        err = err.__cause__ or err.__context__  # type: ignore[assignment]
+    return chain
+
+
+def _hub_ids(settings: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(setting, hub id) of the weight settings that are not local paths."""
+    out = []
+    for key in _WEIGHT_SETTINGS:
+        value = settings.get(key)
+        if isinstance(value, str) and value and not _looks_like_path(value) and not Path(value).exists():
+            out.append((key, value))
+    return out
+
+
+def _hub_problem(name: str, settings: Mapping[str, Any], err: BaseException) -> str | None:
+    """One line for a failure to find weights on the hub or in its cache; None for any other error."""
+    try:
+        from huggingface_hub import errors as hub
+    except ImportError:  # pragma: no cover - huggingface_hub comes with transformers
+        return None
+    chain = _error_chain(err)
+    kinds = [e for e in chain if isinstance(e, (hub.LocalEntryNotFoundError, hub.OfflineModeIsEnabled))]
+    gated = [e for e in chain if isinstance(e, hub.GatedRepoError)]
+    no_repo = [e for e in chain if isinstance(e, (hub.RepositoryNotFoundError, hub.HFValidationError))]
+    offline_text = any("couldn't connect to" in str(e) or "offline mode" in str(e).lower() for e in chain)
+    ids = _hub_ids(settings)
+    if not ids or not (kinds or gated or no_repo or offline_text):
+        return None
+    ids = [(k, v) for k, v in ids if any(v in str(e) for e in chain)] or ids  # the one the error names, if it does
+    named = " and ".join(f"`{key}: {value}`" for key, value in ids)
+    are = "are" if len(ids) > 1 else "is"
+    first = ids[0][1]
+    where = f"point `{ids[0][0]}:` at a local folder that holds them"
+    if gated:
+        return (
+            f"{name} weights: the hub repo of {named} is gated: accept its terms on the hub, log in once "
+            f"(`hf auth login`) and download it (`hf download {first}`), or {where}"
+        )
+    if no_repo and not kinds:
+        return (
+            f"{name} weights not found: {named} {are} neither a local folder nor a hub repo that can be read "
+            f"(misspelt, or private: `hf auth login`); {where}"
+        )
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    offline = offline or os.environ.get("TRANSFORMERS_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    why = (
+        "HF_HUB_OFFLINE=1 forbids downloading them"
+        if offline
+        else "they could not be downloaded (no connection to the hub?)"
+    )
+    fix = "download them once (" + "; ".join(f"`hf download {value}`" for _, value in ids) + ")"
+    fix += ", run with HF_HUB_OFFLINE=0 so they download on first use" if offline else ""
+    return f"{name} weights not found: {named} {are} not in the local hub cache and {why}; {fix}, or {where}"

@@ -1,4 +1,5 @@
-"""`scripts/gpu_check.py`: one command that validates the GPU path and writes docs/gpu_validation.md.
+"""`scripts/gpu_check.py`: one command that validates the GPU path and writes docs/gpu_validation.md (a full run
+from a checkout; a --tiny run writes ./gpu_validation.md, see runner).
 
 device    the device, its dense bf16 peak, versions, timers and peak memory
 models    SD3.5-Medium / FLUX.1-dev / Qwen2.5-0.5B at their real sizes with random weights (or tiny)

@@ -1,4 +1,11 @@
-"""Command line of the GPU check: run every check, keep going past a failed one, write the report."""
+"""Command line of the GPU check: run every check, keep going past a failed one, write the report.
+
+Where the report goes: a full run (CUDA, real sizes) from a checkout updates the committed page
+docs/gpu_validation.md (+ .json) by default: that page is what the repository shows of a GPU. A `--tiny` run
+measures nothing about a GPU and never writes into the source tree: it writes gpu_validation.md (+ .json) in the
+working folder, or at `--out`; `--out` naming the committed page is refused. An installed (not checked-out)
+package writes to the working folder in both modes.
+"""
 
 from __future__ import annotations
 
@@ -9,24 +16,33 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
-import torch
+if TYPE_CHECKING:
+    from .report import Section
 
-from pipelines.speed import SpeedConfig
-
-from . import models
-from .device import describe, free
-from .image import flux_check, sd35_check
-from .report import Report, Section, write
-from .text import text_check
+# torch and the model libraries are imported in main(), after the arguments: `--help` and a refused --out are instant
 
 CHECKS = ("sd35", "flux", "text", "vllm", "text_full")
 _CHECKOUT = Path(__file__).resolve().parents[2]
-# the checkout's committed report when run from the repository; an installed package writes to the working folder
+# the checkout's committed report (a full run from the repository); an installed package writes to the working folder
 DEFAULT_OUT = (
     _CHECKOUT / "docs" / "gpu_validation.md" if (_CHECKOUT / "pyproject.toml").is_file() else Path("gpu_validation.md")
 )
+TINY_OUT = Path("gpu_validation.md")  # a --tiny run: the working folder, never the source tree
+
+
+def report_path(args: argparse.Namespace) -> tuple[Path, Optional[str]]:
+    """(where the report goes, why it may not be written there or None)."""
+    out = args.out if args.out is not None else (TINY_OUT if args.tiny else DEFAULT_OUT)
+    if args.tiny:
+        committed = (_CHECKOUT / "docs" / "gpu_validation.md").resolve()
+        if out.resolve().with_suffix(".md") == committed:
+            return out, (
+                f"--tiny runs measure nothing about a GPU and never replace the committed report {committed}; "
+                "leave out --out (the report goes to ./gpu_validation.md) or name another file"
+            )
+    return out, None
 
 
 def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -34,7 +50,14 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         prog="flowgrpo gpu-check", description="Validate the GPU path (real-size random models) and write a report."
     )
     p.add_argument("--tiny", action="store_true", help="tiny models on CPU (or --device): the same code, in seconds")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="markdown report (JSON written beside it)")
+    p.add_argument(
+        "--out",
+        "--output",
+        type=Path,
+        default=None,
+        help="markdown report, JSON written beside it (default: --tiny: ./gpu_validation.md; a full run from a "
+        "checkout: the committed docs/gpu_validation.md; an installed package: ./gpu_validation.md)",
+    )
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu (tiny only)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="frozen weights (LoRA: fp32)")
     p.add_argument(
@@ -52,7 +75,10 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _run(sec_fn: Callable[[], Section], title: str, device: str) -> Section:
+def _run(sec_fn: Callable[[], "Section"], title: str, device: str) -> "Section":
+    from .device import free
+    from .report import Section
+
     t0 = time.perf_counter()
     try:
         sec = sec_fn()
@@ -72,6 +98,20 @@ def _run(sec_fn: Callable[[], Section], title: str, device: str) -> Section:
 def main(argv: Optional[Sequence[str]] = None, invoked_as: str = "python scripts/gpu_check.py") -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights only: nothing is downloaded
     args = parse(argv)
+    out, refused = report_path(args)
+    if refused:
+        print(f"gpu_check: {refused}", file=sys.stderr)
+        return 2
+    import torch
+
+    from pipelines.speed import SpeedConfig
+
+    from . import models
+    from .device import describe
+    from .image import flux_check, sd35_check
+    from .report import Report, write
+    from .text import text_check
+
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if not args.tiny and not device.startswith("cuda"):
         print(
@@ -109,6 +149,6 @@ def main(argv: Optional[Sequence[str]] = None, invoked_as: str = "python scripts
         sections=sections,
         total_seconds=time.perf_counter() - start,
     )
-    json_path = write(report, args.out)
-    print(f"[gpu_check] wrote {args.out} and {json_path} in {report.total_seconds:.0f} s", file=sys.stderr)
+    json_path = write(report, out)
+    print(f"[gpu_check] wrote {out} and {json_path} in {report.total_seconds:.0f} s", file=sys.stderr)
     return 1 if any(s.error for s in sections) else 0

@@ -167,7 +167,7 @@ SPECS: tuple[ModelSpec, ...] = (
         micro_batch=4,
         vocab=152064,
         workload="configs/text/real/qwen2.5-1.5b_math_vllm.yaml scaled to 7B: 256 prompt + 1024 completion "
-        "tokens, micro-batch 4; LoRA r8 on q/k/v/o (flowgrpo.text.config.LoraConfig defaults)",
+        "tokens, micro-batch 4; LoRA r8 on q/k/v/o (flowgrpo.text.config.TextLoraConfig defaults)",
     ),
 )
 

@@ -315,9 +315,27 @@ class T2ITrainer(RunLoop):
         self.trackers.log(record, step)
 
     def progress_postfix(self, record: dict[str, Any]) -> dict[str, str]:
-        out = {"reward": f"{record.get('reward_mean', math.nan):.4f}"}
+        """reward; kl_ref (KL to the reference model, where the loss computes one) and kl_old (the approximate KL
+        between the sampling and the current policy: how far one update moved, not a distance to the reference).
+        With a pairwise reward the weighted mean is no headline: a group's win rates average 0.5 by construction.
+        The bar then shows each pointwise reward's mean and each pairwise reward's spread of win rates within a
+        group (`<name>_sd`: how decisively the judge separates a group's images), plus unreadable verdicts."""
+        labels, kinds = getattr(self.rewards, "labels", []), getattr(self.rewards, "kinds", [])
+        if "pairwise" in kinds:
+            out = {}
+            for label, kind in zip(labels, kinds):
+                if kind == "pairwise":
+                    out[f"{label}_sd"] = f"{record.get(f'rewards/{label}/std', math.nan):.3f}"
+                else:
+                    out[label] = f"{record.get(f'rewards/{label}/mean', math.nan):.4f}"
+            if record.get("win_rate/unreadable_pairs"):
+                out["unreadable"] = f"{record['win_rate/unreadable_pairs']:g}"
+        else:
+            out = {"reward": f"{record.get('reward_mean', math.nan):.4f}"}
+        if "kl/ref_mean" in record:
+            out["kl_ref"] = f"{record['kl/ref_mean']:.1e}"
         if "approx_kl" in record:  # only where measured (NFT and discriminator iterations have none)
-            out["kl"] = f"{record['approx_kl']:.1e}"
+            out["kl_old"] = f"{record['approx_kl']:.1e}"
         return out
 
     def finish(self, final_eval: dict[str, float]) -> None:

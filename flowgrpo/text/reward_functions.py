@@ -7,26 +7,35 @@ float or None per completion; None means "not applicable" and becomes NaN for th
 
 Built-ins are registered as factories: the keyword-only parameters of the factory are the settings
 a config may give; the factory returns the reward function.
+
+Your own function, in a config (README, "Your own reward function"):
+    rewards: [{name: my_rewards.py:brevity, weight: 0.5, max_words: 20, columns: [answer]}]
+`path/file.py:function` or `package.module:function`. A relative file.py is looked for beside the
+config file that names it (the file of a `base:` chain that sets `rewards`), then in the working
+directory; a file in neither is a one-line error naming both places. Keys other than name / weight /
+alias / columns are passed to the function as keyword arguments; `columns` lists the dataset
+columns it reads (checked on every row when the data loads). An exception inside it marks its
+samples NaN (or stops the run with `stop_on_reward_error: true`): the first traceback of each
+function is logged once, later failures are counted.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 import inspect
 import logging
 import math
 import re
-import sys
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
 from ..core.registry import Registry
 from .answers import answers_match, extract_answer, reference_answer
+from .reward_imports import import_callable, keyword_parameters
 from .config import RewardSpec
 
 log = logging.getLogger(__name__)
@@ -320,35 +329,10 @@ class RewardFunction:
     fn: Callable
     weight: float
     columns: tuple[str, ...] = ()
+    failures: int = 0  # calls that raised (the first one's traceback is logged, the rest counted)
 
 
-def import_callable(ref: str) -> Callable:
-    """`package.module:function` or `path/to/file.py:function`."""
-    target, _, attr = ref.rpartition(":")
-    if not target or not attr:
-        raise ValueError(f"reward '{ref}': expected a registered name, 'module:function' or 'file.py:function'")
-    if target.endswith(".py"):
-        path = Path(target)
-        if not path.is_file():
-            raise ValueError(f"reward '{ref}': file not found: {path}")
-        mod_name = f"flowgrpo_user_rewards_{abs(hash(str(path.resolve())))}"
-        spec = importlib.util.spec_from_file_location(mod_name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[mod_name] = module
-        try:
-            spec.loader.exec_module(module)
-        except Exception as err:  # the user's file fails on import: name it and the reason, in one line
-            del sys.modules[mod_name]
-            raise ValueError(f"reward '{ref}': importing {path} failed: {type(err).__name__}: {err}") from None
-    else:
-        try:
-            module = importlib.import_module(target)
-        except Exception as err:
-            raise ValueError(f"reward '{ref}': cannot import {target}: {type(err).__name__}: {err}") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"reward '{ref}': {target} has no callable '{attr}'")
-    return fn
+ENTRY_KEYS = ("weight", "alias", "columns")  # a reward entry's own keys, beside the function's settings
 
 
 def build_rewards(
@@ -371,6 +355,7 @@ def build_rewards(
             columns = tuple(spec.columns)
         elif spec.name in REWARDS:
             entry = REWARDS.get(spec.name)
+            _check_settings(spec.name, settings, entry.settings)
             entry.check_settings(settings, REWARDS.kind)
             for key, value in context.items():
                 if key in entry.settings and settings.get(key) is None:
@@ -382,6 +367,9 @@ def build_rewards(
             columns = tuple(getattr(fn, "required_columns", ())) + tuple(spec.columns)
         elif ":" in spec.name:
             fn = import_callable(spec.name)
+            params = keyword_parameters(fn)
+            if params is not None:  # a function without **kwargs: a setting it has no parameter for is a typo
+                _check_settings(spec.name, settings, params)
             fn = functools.partial(fn, **settings) if settings else fn
             columns = tuple(spec.columns)
         else:
@@ -389,6 +377,22 @@ def build_rewards(
             raise AssertionError
         out.append(RewardFunction(spec.label, fn, spec.weight, columns))
     return out
+
+
+def _check_settings(name: str, settings: Mapping[str, Any], valid: Iterable[str]) -> None:
+    """A setting the reward does not take: one line with the closest name among its settings and the entry's own
+    keys (weight, alias, columns), and both lists."""
+    import difflib
+
+    valid = sorted(valid)
+    for key in settings:
+        if key not in valid:
+            close = difflib.get_close_matches(key, [*valid, *ENTRY_KEYS], n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ValueError(
+                f"reward '{name}' has no setting '{key}'{hint}; valid settings: {valid or 'none'} "
+                f"(the entry itself also takes {', '.join(map(repr, ENTRY_KEYS))})"
+            )
 
 
 # --- scoring ------------------------------------------------------------------------------------
@@ -455,7 +459,24 @@ def score_completions(
             msg = f"reward function '{r.name}' failed: {type(err).__name__}: {err}"
             if stop_on_error:
                 raise RewardError(msg + " (stop_on_reward_error is true)") from err
-            log.warning("%s; its %d samples are marked NaN (not scored)", msg, N)
+            r.failures += 1
+            if r.failures == 1:  # the first failure of each function: where it failed, once
+                trace = "".join(traceback.format_exception(type(err), err, err.__traceback__.tb_next)).rstrip()
+                log.warning(
+                    "%s; its %d samples are marked NaN (not scored). Its traceback (shown for its first failure "
+                    "only):\n%s",
+                    msg,
+                    N,
+                    trace,
+                )
+            else:
+                log.warning(
+                    "%s; its %d samples are marked NaN (not scored); failure %d of this function (traceback shown "
+                    "at the first)",
+                    msg,
+                    N,
+                    r.failures,
+                )
             nones.append(0)
             errs.append(N)
             messages.append(msg)

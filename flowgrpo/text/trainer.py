@@ -155,8 +155,11 @@ class TextGRPOTrainer(RunLoop):
             self.tokenizer.save_pretrained(str(final))
 
     def progress_postfix(self, record: dict[str, Any]) -> dict[str, str]:
-        return {"reward": f"{record.get('reward_mean', math.nan):.3f}",
-                "len": f"{record.get('completions/mean_length', math.nan):.1f}"}  # fmt: skip
+        out = {"reward": f"{record.get('reward_mean', math.nan):.3f}",
+               "len": f"{record.get('completions/mean_length', math.nan):.1f}"}  # fmt: skip
+        if "kl/ref_mean" in record:  # the KL to the reference model, where the loss computes one
+            out["kl_ref"] = f"{record['kl/ref_mean']:.1e}"
+        return out
 
     # --- one step ----------------------------------------------------------------------------
 

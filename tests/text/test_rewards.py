@@ -275,3 +275,60 @@ def test_too_long_prompt_names_the_row(tiny_config, tmp_path):
         r"generation.max_new_tokens=32 that exceeds the model context of 256",
     ):
         train_text(tiny_config(f"data.path={data}", "data.task=null", "rewards=[{name: target_pattern, pattern: a}]"))
+
+
+# --- issue 30: custom reward functions (file resolution, tracebacks, misspelt settings) ---------------------
+
+
+def test_a_failing_function_logs_its_first_traceback_once_then_counts(caplog):
+    def broken(prompts, completions, **kw):
+        return [1 / 0 for _ in completions]  # the failing line
+
+    rewards = build_rewards([RewardSpec(name="broken")], extra={"broken": broken})
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            _score(rewards)
+    assert caplog.text.count("Traceback (most recent call last)") == 1
+    assert "return [1 / 0 for _ in completions]  # the failing line" in caplog.text
+    assert "failure 2 of this function" in caplog.text and "failure 3 of this function" in caplog.text
+    assert rewards[0].failures == 3
+
+
+def test_misspelt_setting_suggests_the_entry_keys():
+    with pytest.raises(ValueError, match=r"has no setting 'wieght' \(did you mean 'weight'\?\).*'alias', 'columns'"):
+        _build({"name": "target_pattern", "wieght": 2.0})
+
+
+def test_user_function_setting_it_cannot_take_is_named(tmp_path):
+    (tmp_path / "fixed.py").write_text("def r(prompts, completions, completion_ids, scale=1.0):\n    return []\n")
+    with pytest.raises(ValueError, match=r"has no setting 'scal' \(did you mean 'scale'\?\)"):
+        _build({"name": f"{tmp_path / 'fixed.py'}:r", "scal": 2.0})
+    (tmp_path / "open.py").write_text("def r(prompts, completions, **kw):\n    return []\n")
+    assert _build({"name": f"{tmp_path / 'open.py'}:r", "anything": 1})  # **kwargs: any setting goes through
+
+
+def test_relative_reward_file_resolves_beside_the_config_naming_it(tmp_path, monkeypatch):
+    from flowgrpo.text.reward_imports import reward_files_relative_to, rewards_config_dir
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a/base.yaml").write_text("rewards: [{name: 'f.py:r'}]\n")
+    (tmp_path / "b/run.yaml").write_text("base: ../a/base.yaml\niterations: 2\n")
+    (tmp_path / "b/own.yaml").write_text("base: ../a/base.yaml\nrewards: [target_pattern]\n")
+    assert rewards_config_dir(tmp_path / "b/run.yaml") == tmp_path / "a"  # the base sets rewards
+    assert rewards_config_dir(tmp_path / "b/own.yaml") == tmp_path / "b"  # its own list replaces the base's
+    (tmp_path / "a/f.py").write_text("def r(prompts, completions, **kw):\n    return [0.25] * len(completions)\n")
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    try:
+        reward_files_relative_to(tmp_path / "b/run.yaml")
+        (fn,) = _build("f.py:r")
+        assert _call(fn, ["x"]) == [0.25]
+        (cwd / "g.py").write_text("def r(prompts, completions, **kw):\n    return [0.5] * len(completions)\n")
+        (fn,) = _build("g.py:r")  # not beside the config: the working directory
+        assert _call(fn, ["x"]) == [0.5]
+        with pytest.raises(ValueError, match=r"file not found: h\.py; looked beside the config that names it \("):
+            _build("h.py:r")
+    finally:
+        reward_files_relative_to(None)
