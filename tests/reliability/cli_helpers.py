@@ -58,3 +58,37 @@ def _forked(argv: list[str], cwd: Path, timeout: float) -> subprocess.CompletedP
             raise subprocess.TimeoutExpired(["flowgrpo", *argv], timeout)
         read = lambda p: p.read_text(errors="replace") if p.exists() else ""  # noqa: E731
         return subprocess.CompletedProcess(["flowgrpo", *argv], proc.exitcode, read(out), read(err))
+
+
+def one_line_error(done: subprocess.CompletedProcess, *needles: str, prefix: str = "flowgrpo") -> str:
+    """The command failed with exit 2 and no traceback, its last stderr line (`<prefix>...: why`) holding every
+    needle; returns that line."""
+    assert done.returncode == 2, (done.returncode, done.stderr[-3000:])
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(prefix), last
+    for needle in needles:
+        assert needle in last, (needle, last)
+    return last
+
+
+def blocking_outcome(call, limit_s: float = 20.0) -> tuple[BaseException | None, float]:
+    """Run `call` in a thread: the error it raised (None if none) and its seconds; fails instead of hanging past
+    limit_s."""
+    import threading
+    import time
+
+    box: list = [None]
+
+    def run():
+        try:
+            call()
+        except BaseException as err:  # noqa: BLE001 - handed to the test
+            box[0] = err
+
+    start = time.monotonic()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(limit_s)
+    assert not thread.is_alive(), f"the call was still blocked after {limit_s}s"
+    return box[0], time.monotonic() - start

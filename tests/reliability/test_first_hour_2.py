@@ -13,20 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from .cli_helpers import ROOT, run_cli
+from .cli_helpers import ROOT, one_line_error, run_cli
 
 T2I_TINY = str(ROOT / "configs/t2i/tiny/flow_grpo.yaml")
 TEXT_TINY = str(ROOT / "configs/text/tiny_pattern.yaml")
 QUIET = ("artifacts.tensorboard=false", "artifacts.plot=false")
-
-
-def _one_line_error(done, *needles: str) -> str:
-    assert done.returncode == 2, (done.returncode, done.stderr[-3000:])
-    assert "Traceback" not in done.stderr, done.stderr[-3000:]
-    last = done.stderr.strip().splitlines()[-1]
-    for needle in needles:
-        assert needle in last, last
-    return last
 
 
 # --- 1. `accelerate launch` as README and docs/scaling.md print it --------------------------------------------
@@ -92,7 +83,7 @@ def test_gpu_check_tiny_writes_to_the_working_folder(tmp_path):
         done = run_cli("gpu-check", "--tiny", "--device", "cpu", *SKIP_ALL, "--output", "r/x.md", cwd=tmp_path)
         assert done.returncode == 0 and (tmp_path / "r" / "x.json").is_file(), done.stderr[-3000:]
         done = run_cli("gpu-check", "--tiny", "--out", str(DOCS), cwd=tmp_path)
-        _one_line_error(done, "never replace the committed report")
+        one_line_error(done, "never replace the committed report", prefix="gpu_check")
         assert _committed_report() == before
     finally:  # a regression must not leave a tiny report in the checkout
         for path, data in before.items():
@@ -119,18 +110,18 @@ def test_missing_scorer_weights_are_one_line(tmp_path):
     env = {"HF_HOME": str(tmp_path / "empty_hf_home")}  # whatever this machine has cached
     _samples(tmp_path)
     done = run_cli("evaluate", "--images", "samples/", "--scorers", "pickscore", "-o", "ev", cwd=tmp_path, env=env)
-    line = _one_line_error(done, "pickscore", "yuvalkirstain/PickScore_v1", "HF_HUB_OFFLINE", "hf download", "`model:`")
+    line = one_line_error(done, "pickscore", "yuvalkirstain/PickScore_v1", "HF_HUB_OFFLINE", "hf download", "`model:`")
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "not in the local hub cache" in line
     done = run_cli(
         "evaluate", "--images", "samples/", "-o", "ev2", "scorers=[{name: pickscore, model: /nonexistent/PickScore}]",
         cwd=tmp_path, env=env,
     )  # fmt: skip
-    line = _one_line_error(done, "pickscore", "/nonexistent/PickScore", "does not exist")
+    line = one_line_error(done, "pickscore", "/nonexistent/PickScore", "does not exist")
     assert "Repo id" not in line
     done = run_cli("train-t2i", T2I_TINY, f"output_dir={tmp_path / 'run'}", "rewards=[{name: clip_score}]",
                    cwd=tmp_path, env=env)  # fmt: skip
-    _one_line_error(done, "clip_score", "openai/clip-vit-large-patch14", "HF_HUB_OFFLINE=0", "`model:`")
+    one_line_error(done, "clip_score", "openai/clip-vit-large-patch14", "HF_HUB_OFFLINE=0", "`model:`")
 
 
 # --- 4. a fast --help, and a first line at once ---------------------------------------------------------------
@@ -233,7 +224,7 @@ def test_reward_file_is_found_beside_the_config_that_names_it(tmp_path):
     # neither beside the config nor in the working directory: one line naming both places
     (tmp_path / "cfg/none.yaml").write_text(f"base: {TEXT_TINY}\nrewards: [{{name: 'nowhere.py:r'}}]\n")
     done = run_cli("train-text", str(tmp_path / "cfg/none.yaml"), f"output_dir={tmp_path / 'x'}", cwd=elsewhere)
-    _one_line_error(done, "nowhere.py", str(tmp_path / "cfg" / "nowhere.py"), str(elsewhere / "nowhere.py"))
+    one_line_error(done, "nowhere.py", str(tmp_path / "cfg" / "nowhere.py"), str(elsewhere / "nowhere.py"))
     # the working-directory fallback (e.g. a reward given on the command line)
     (elsewhere / "here.py").write_text(_REWARD_FILE)
     done = run_cli("train-text", TEXT_TINY, "iterations=1", "progress=false", f"output_dir={tmp_path / 'y'}",
@@ -286,7 +277,7 @@ def test_misspelt_reward_setting_suggests_weight(tmp_path):
     for command, config, name in (("train-t2i", T2I_TINY, "brightness"), ("train-text", TEXT_TINY, "target_pattern")):
         done = run_cli(command, config, f"output_dir={tmp_path / command}", f"rewards=[{{name: {name}, wieght: 2}}]",
                        cwd=tmp_path)  # fmt: skip
-        _one_line_error(done, "'wieght'", "did you mean 'weight'", "'alias'")
+        one_line_error(done, "'wieght'", "did you mean 'weight'", "'alias'")
 
 
 # --- 8. README commands and snippets, as printed -------------------------------------------------------------

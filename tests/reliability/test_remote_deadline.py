@@ -11,6 +11,7 @@ import torch
 
 from reward_models import build_scorer
 from reward_models.remote import RemoteRewardError
+from .cli_helpers import blocking_outcome
 
 
 class TricklingServer:
@@ -58,24 +59,6 @@ class TricklingServer:
         self.sock.close()
 
 
-def _outcome(call, limit_s: float = 10.0) -> tuple[BaseException | None, float]:
-    """Run `call` in a thread; the error it raised and its seconds. Fails (instead of hanging) past limit_s."""
-    box: list = [None]
-
-    def run():
-        try:
-            call()
-        except BaseException as err:  # noqa: BLE001 - handed to the test
-            box[0] = err
-
-    start = time.monotonic()
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(limit_s)
-    assert not thread.is_alive(), f"the call was still blocked after {limit_s}s"
-    return box[0], time.monotonic() - start
-
-
 @pytest.fixture
 def trickling():
     servers = []
@@ -103,7 +86,7 @@ def test_deadline_bounds_a_trickling_answer(trickling, where):
             "backoff_s": 0.05,
         }
     )
-    err, seconds = _outcome(lambda: scorer(torch.rand(1, 3, 8, 8)))
+    err, seconds = blocking_outcome(lambda: scorer(torch.rand(1, 3, 8, 8)), limit_s=10.0)
     assert isinstance(err, RemoteRewardError) and "timed out" in str(err), err
     assert seconds < 3.5
 
@@ -121,7 +104,7 @@ def test_timeout_bounds_each_whole_attempt(trickling):
             "max_backoff_s": 0.05,
         }
     )
-    err, seconds = _outcome(lambda: scorer(torch.rand(1, 3, 8, 8)))
+    err, seconds = blocking_outcome(lambda: scorer(torch.rand(1, 3, 8, 8)), limit_s=10.0)
     assert isinstance(err, RemoteRewardError) and "2 attempt" in str(err), err
     assert seconds < 3.5
 
@@ -138,12 +121,13 @@ def test_geneval_client_deadline_bounds_a_trickling_detector(trickling):
             "on_failure": "raise",
         }
     )
-    err, seconds = _outcome(
+    err, seconds = blocking_outcome(
         lambda: scorer(
             torch.rand(1, 3, 8, 8),
             ["a photo of a cat"],
             {"geneval": [{"tag": "single_object", "include": [{"class": "cat", "count": 1}]}]},
-        )
+        ),
+        limit_s=10.0,
     )
     assert isinstance(err, RemoteRewardError), err
     assert seconds < 3.5

@@ -8,7 +8,6 @@ import json
 import socket
 import struct
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -18,7 +17,7 @@ from reward_models import build_scorer
 from reward_models.http_client import RETRY_STATUSES, HttpClient, HttpSettings
 from reward_models.remote import RemoteRewardError
 
-from .cli_helpers import ROOT, run_cli
+from .cli_helpers import ROOT, blocking_outcome, run_cli
 
 FAST = dict(timeout_s=5.0, max_attempts=3, backoff_s=0.02, max_backoff_s=0.05, seed=0)
 GENEVAL_META = {"geneval": [{"tag": "single_object", "include": [{"class": "cat", "count": 1}]}] * 2}
@@ -136,24 +135,6 @@ def score(kind: str, s) -> torch.Tensor:
     return s(images)["brightness"]
 
 
-def _outcome(call, limit_s: float = 20.0):
-    """The error `call` raised (None if none) and its seconds; fails instead of hanging past limit_s."""
-    box: list = [None]
-
-    def run():
-        try:
-            call()
-        except BaseException as err:  # noqa: BLE001 - handed to the test
-            box[0] = err
-
-    start = time.monotonic()
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(limit_s)
-    assert not thread.is_alive(), f"the call was still blocked after {limit_s}s"
-    return box[0], time.monotonic() - start
-
-
 # -- transient statuses ----------------------------------------------------------------------------
 
 
@@ -191,7 +172,7 @@ def test_a_server_that_keeps_failing_is_one_line_naming_url_status_and_attempts(
 
     server = serve(always)
     s = scorer(kind, server.url, concurrency=1) if kind == "vlm_judge" else scorer(kind, server.url)
-    err, seconds = _outcome(lambda: score(kind, s))
+    err, seconds = blocking_outcome(lambda: score(kind, s))
     assert isinstance(err, RemoteRewardError), err
     message = str(err)
     assert len(message.splitlines()) == 1, message
@@ -253,12 +234,12 @@ def test_the_token_never_follows_a_redirect_to_another_host(serve, kind, status)
 
     first = serve(away)
     s = scorer(kind, first.url, token="s3cret")
-    err, _ = _outcome(lambda: score(kind, s))
+    err, _ = blocking_outcome(lambda: score(kind, s))
     assert isinstance(err, RemoteRewardError) and "redirect" in str(err) and other.url in str(err), err
     assert len(str(err).splitlines()) == 1
     assert all(auth is None for _, _, auth in other.seen), other.seen
     # the same with health_check off: the POST is not followed either
-    err, _ = _outcome(lambda: score(kind, scorer(kind, first.url, token="s3cret", **no_health(kind))))
+    err, _ = blocking_outcome(lambda: score(kind, scorer(kind, first.url, token="s3cret", **no_health(kind))))
     assert isinstance(err, RemoteRewardError) and "redirect" in str(err), err
     assert all(auth is None for _, _, auth in other.seen), other.seen
 
@@ -300,7 +281,7 @@ def test_an_answer_over_max_response_bytes_is_refused(serve, kind, declared):
 
     server = serve(huge)
     s = scorer(kind, server.url, max_response_bytes=2**20, **no_health(kind))
-    err, _ = _outcome(lambda: score(kind, s))
+    err, _ = blocking_outcome(lambda: score(kind, s))
     assert isinstance(err, RemoteRewardError) and "max_response_bytes" in str(err), err
     assert s.counters["retries"] == 0  # the server's answer, not retried
 
@@ -319,7 +300,7 @@ def test_an_answer_of_another_content_type_is_refused(serve, kind):
         return True
 
     server = serve(html)
-    err, _ = _outcome(lambda: score(kind, scorer(kind, server.url)))
+    err, _ = blocking_outcome(lambda: score(kind, scorer(kind, server.url)))
     assert isinstance(err, RemoteRewardError) and "text/html" in str(err), err
 
 
@@ -349,6 +330,6 @@ def test_endless_headers_are_cut_off(serve):
         return True
 
     server = serve(endless)
-    err, seconds = _outcome(lambda: score("remote", scorer("remote", server.url, **no_health("remote"))))
+    err, seconds = blocking_outcome(lambda: score("remote", scorer("remote", server.url, **no_health("remote"))))
     assert isinstance(err, RemoteRewardError) and "3 attempt(s)" in str(err), err
     assert seconds < 15

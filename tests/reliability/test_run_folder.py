@@ -16,23 +16,13 @@ import pytest
 from flowgrpo.checkpoint.run_folder import LOCK_NAME, lock_run_folder
 from flowgrpo.metrics import read_metrics
 
-from .cli_helpers import ROOT, run_cli
+from .cli_helpers import ROOT, one_line_error, run_cli
 
 TINY = str(ROOT / "configs/text/tiny_pattern.yaml")
 
 
 def _text(out: Path, *extra: str, cwd: Path) -> subprocess.CompletedProcess:
     return run_cli("train-text", TINY, "progress=false", f"output_dir={out}", *extra, cwd=cwd)
-
-
-def _one_line(done: subprocess.CompletedProcess, *parts: str) -> str:
-    assert done.returncode == 2, done.stderr[-3000:]
-    assert "Traceback" not in done.stderr, done.stderr[-3000:]
-    last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("flowgrpo: "), last
-    for part in parts:
-        assert part in last, (part, last)
-    return last
 
 
 def _start_long_run(out: Path, cwd: Path) -> subprocess.Popen:
@@ -72,7 +62,7 @@ def test_a_second_run_on_a_folder_in_use_is_refused_at_once(tmp_path):
         for extra in (["iterations=3"], ["iterations=3", "resume=true"]):  # resume=true takes no lock either
             started = time.monotonic()
             second = _text(out, *extra, cwd=tmp_path)
-            _one_line(second, f"{out} is in use by another run (pid {first.pid})", "nothing was written")
+            one_line_error(second, f"{out} is in use by another run (pid {first.pid})", "nothing was written")
             assert time.monotonic() - started < 120
             assert (out / "config.yaml").read_bytes() == config  # the second run wrote nothing
             assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
@@ -100,7 +90,7 @@ def test_an_earlier_run_without_checkpoints_is_never_overwritten(tmp_path):
     assert not any(k.startswith("checkpoints/") for k in earlier)
 
     fresh = _text(out, "iterations=2", cwd=tmp_path)
-    _one_line(fresh, f"{out} holds an earlier run (config.yaml, metrics.jsonl) but no checkpoint", "resume=true",
+    one_line_error(fresh, f"{out} holds an earlier run (config.yaml, metrics.jsonl) but no checkpoint", "resume=true",
               "another output_dir", "nothing was overwritten")  # fmt: skip
     assert _files(out) == earlier
 

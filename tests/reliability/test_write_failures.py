@@ -15,7 +15,7 @@ import pytest
 from flowgrpo.checkpoint import list_checkpoints, verify_checkpoint
 from flowgrpo.metrics import read_metrics
 
-from .cli_helpers import ROOT
+from .cli_helpers import ROOT, one_line_error
 
 TEXT = str(ROOT / "configs/text/tiny_pattern.yaml")
 T2I = str(ROOT / "configs/t2i/tiny/flow_grpo.yaml")
@@ -40,16 +40,6 @@ def _run(command: str, config: str, out: Path, *extra: str, fault: str = "") -> 
     return subprocess.run(
         [sys.executable, "-c", code, *argv], cwd=out.parent, env=env, capture_output=True, text=True, timeout=600
     )
-
-
-def _one_line(done: subprocess.CompletedProcess, *parts: str) -> str:
-    assert done.returncode == 2, done.stderr[-3000:]
-    assert "Traceback" not in done.stderr, done.stderr[-3000:]
-    last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("flowgrpo: "), last
-    for part in parts:
-        assert part in last, (part, last)
-    return last
 
 
 def _checkpoints(out: Path) -> list[str]:
@@ -79,7 +69,7 @@ def save(tensors, path):  # step 2: the weights are written, then the disk fills
 ck._save_tensors = save
 """
     done = _run("train-text", TEXT, out, "iterations=3", "checkpoint.every=1", "checkpoint.keep_last=1", fault=fault)
-    _one_line(done, f"could not save checkpoint {out / 'checkpoints' / 'step_00000002'}", ENOSPC,
+    one_line_error(done, f"could not save checkpoint {out / 'checkpoints' / 'step_00000002'}", ENOSPC,
               "earlier checkpoints", "intact")  # fmt: skip
     assert _checkpoints(out) == ["step_00000001"]  # keep_last=1 rotated nothing away
     # the record of step 2 went out before its checkpoint; a resume drops it and goes on from step 1
@@ -114,7 +104,7 @@ def opener(self, mode="r", *args, **kwargs):
 pathlib.Path.open = opener
 """
     done = _run("train-text", TEXT, out, "iterations=3", "checkpoint.every=1", fault=fault)
-    _one_line(done, f"could not write {out / 'metrics.jsonl'}", ENOSPC, "step_00000001", "resume=true")
+    one_line_error(done, f"could not write {out / 'metrics.jsonl'}", ENOSPC, "step_00000001", "resume=true")
     assert _checkpoints(out) == ["step_00000001"]
     with pytest.warns(UserWarning, match="partial last line"):
         assert [r["iteration"] for r in read_metrics(out / "metrics.jsonl")] == [1]
@@ -132,7 +122,7 @@ def dump_config(cfg, path):
 loop.dump_config = dump_config
 """
     done = _run("train-text", TEXT, out, "iterations=2", "resume=true", fault=fault)
-    _one_line(done, "config.yaml", ENOSPC)
+    one_line_error(done, "config.yaml", ENOSPC)
     assert (out / "config.yaml").read_bytes() == config
     assert _checkpoints(out) == ["step_00000001"]
     _no_staging(out)
@@ -160,7 +150,7 @@ artifacts.plot_rewards = plot_rewards
     }[where]
     extra = ["iterations=2", "checkpoint.every=1", "artifacts.grid_every=1", "checkpoint.save_final_model=false"]
     done = _run("train-t2i", T2I, out, *extra, fault=fault)
-    last = _one_line(done, f"a write under {out} failed", ENOSPC, "is intact", "resume=true")
+    last = one_line_error(done, f"a write under {out} failed", ENOSPC, "is intact", "resume=true")
     if where == "reward_curve":
         assert "reward_curve.png" in last
         assert _checkpoints(out) == ["step_00000001", "step_00000002"]
@@ -182,7 +172,7 @@ def safe_save_file(tensors, filename, *args, **kwargs):
 mu.safe_save_file = safe_save_file
 """
     done = _run("train-text", TEXT, out, "iterations=2", "resume=true", *args, fault=fault)
-    _one_line(done, f"could not export the final model under {out}", ENOSPC, "earlier export is unchanged",
+    one_line_error(done, f"could not export the final model under {out}", ENOSPC, "earlier export is unchanged",
               "step_00000002")  # fmt: skip
     assert {p.name: p.read_bytes() for p in (out / "final").iterdir()} == exported
     assert _checkpoints(out) == ["step_00000001", "step_00000002"]
