@@ -61,6 +61,13 @@ class SpeedConfig(StrictModel):
     # uncond one without grad under cfg_mode detach_uncond (halves training activations for that branch).
     cfg_forward: Literal["batched", "split"] = "batched"
     decode_batch_size: Optional[int] = Field(None, ge=1)  # VAE decode in chunks of this many images (peak memory)
+    # PyTorch's cuDNN SDPA kernel (process-wide). Off by default: on an H100 (torch 2.11, CUDA 13) it failed in a
+    # FLUX.1-size backward with gradient checkpointing (illegal memory access in mha_graph.execute); the same
+    # step runs with it off, on the flash / memory-efficient kernels (docs/gpu_validation.md).
+    cudnn_attention: bool = False
+    # TF32 matmuls and convolutions for fp32 weights (process-wide). Off: fp32 stays fp32 (torch turns cuDNN's
+    # TF32 convolutions on by default, and a tiny SD1.5-style UNet's first-pass ratio left 1 by 1.7e-4 on an H100).
+    tf32: bool = False
 
     @model_validator(mode="after")
     def _backend(self) -> "SpeedConfig":
@@ -122,6 +129,10 @@ def set_attention_backend(adapter: Any, backend: str) -> str:
 def apply_speed(adapter: Any, cfg: SpeedConfig) -> dict[str, Any]:
     """Apply every switch of `cfg` to `adapter` (call once, after LoRA is attached); what was done."""
     done: dict[str, Any] = {"attention": set_attention_backend(adapter, cfg.attention_backend)}
+    torch.backends.cuda.enable_cudnn_sdp(cfg.cudnn_attention)
+    torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+    torch.backends.cudnn.allow_tf32 = cfg.tf32
+    done.update(cudnn_attention=cfg.cudnn_attention, tf32=cfg.tf32)
     if cfg.gradient_checkpointing:
         adapter.denoiser.enable_gradient_checkpointing()
     done["gradient_checkpointing"] = cfg.gradient_checkpointing

@@ -97,7 +97,9 @@ def step(
         x_next = law.mean
     else:
         if noise is None:
-            noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+            # drawn where the generator lives (a seeded CPU generator gives the same noise on every device)
+            where = x.device if generator is None else generator.device
+            noise = torch.randn(x.shape, generator=generator, device=where, dtype=torch.float32).to(x.device)
         x_next = ((noise_scale * law.std) * noise.float()).add_(law.mean)  # = mean + that (addition commutes)
     x_next = x_next.to(x.dtype)
     return _output(law, x_next, x_next.detach())

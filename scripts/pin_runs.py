@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -362,7 +363,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'run':16} {'status':6} {'records':>7} {'metrics':>8} {'weights':>7} {'seconds':>7}  first problem")
     with tempfile.TemporaryDirectory(prefix="pin_runs_") as tmp:
         for name in names:
-            fp = run_one(name, root, Path(tmp))
+            try:
+                fp = run_one(name, root, Path(tmp))
+            except Exception as err:  # one broken run must not hide the others' results
+                print(f"{name:16} {'ERROR':6} {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+                traceback.print_exc()
+                failed += 1
+                continue
             results[name] = fp
             if pinned is None:
                 print(f"{name:16} {len(fp['records'])} records, {len(fp['weights'])} weight files, {fp['seconds']} s",

@@ -74,6 +74,9 @@ def test_tiny_gpu_check_end_to_end(tmp_path):
     ):
         assert sd35[key] > 0, key
     assert sd35["rollout TFLOP (counted, ours)"] > 0 and sd35["decoded images finite (1 = yes)"] == 1.0
+    for sec in ran:
+        if "text GRPO" in sec["title"] or "full fine-tune" in sec["title"]:
+            assert sec["figures"]["backward passes per step"] >= 1, sec["title"]  # a step that trains
     vllm = next(s for s in report["sections"] if s["title"].endswith("vllm"))
     assert vllm["skipped"] or not vllm["error"]
     text = out.read_text()

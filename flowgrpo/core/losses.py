@@ -462,8 +462,8 @@ def ratio_metrics(ctx: LossContext) -> dict[str, Tensor]:
         return {}
     r = ctx.ratios.detach()
     a = ctx.adv.expand_as(r)
-    low = torch.as_tensor(ctx.low, dtype=r.dtype).expand_as(r)
-    high = torch.as_tensor(ctx.high, dtype=r.dtype).expand_as(r)
+    low = torch.as_tensor(ctx.low, dtype=r.dtype, device=r.device).expand_as(r)
+    high = torch.as_tensor(ctx.high, dtype=r.dtype, device=r.device).expand_as(r)
     clip_low = (a < 0) & (r < low)
     clip_high = (a > 0) & (r > high)
     lr = ctx.raw_log_ratio.detach()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -11,10 +12,22 @@ from typing import Any, Optional
 from .device import DeviceInfo
 
 
+class Figures(dict):
+    """A section's figures, each printed as it is measured: the log of a run cut short still holds them."""
+
+    def __setitem__(self, key: str, value: Optional[float]) -> None:
+        super().__setitem__(key, value)
+        print(f"[gpu_check]   {key}: {_fmt(value)}", file=sys.stderr, flush=True)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+
 @dataclass
 class Section:
     title: str
-    figures: dict[str, Optional[float]] = field(default_factory=dict)  # None: not measurable here (said why)
+    figures: dict[str, Optional[float]] = field(default_factory=Figures)  # None: not measurable here (said why)
     settings: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     skipped: Optional[str] = None  # the reason the check did not run

@@ -85,7 +85,10 @@ def _run(sec_fn: Callable[[], "Section"], title: str, device: str) -> "Section":
     except Exception as err:  # one failed check must not lose the others' figures
         traceback.print_exc()
         sec = Section(title, error=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
-    free(device)  # the check's models are gone once it returns: give their memory back before the next
+    try:
+        free(device)  # the check's models are gone once it returns: give their memory back before the next
+    except Exception as err:  # a CUDA error is sticky (illegal address): the report still gets written
+        sec.notes.append(f"freeing device memory failed: {type(err).__name__}: {str(err).splitlines()[0]}")
     sec.seconds = time.perf_counter() - t0
     print(
         f"[gpu_check] {sec.title}: {sec.error or sec.skipped or 'done'} ({sec.seconds:.1f} s)",
@@ -127,28 +130,24 @@ def main(argv: Optional[Sequence[str]] = None, invoked_as: str = "python scripts
     speed = SpeedConfig(attention_backend=args.attention, decode_batch_size=args.decode_batch_size)
     info = describe(device, args.peak_tflops)
     start = time.perf_counter()
-    sections = []
+    command = invoked_as + "".join(f" {shlex.quote(a)}" for a in (argv or sys.argv[1:]))
+    report = Report(command=command, mode="tiny" if args.tiny else "full", info=info, sections=[], total_seconds=0.0)
+
+    def check(fn: Callable[[], "Section"], title: str) -> None:
+        report.sections.append(_run(fn, title, device))
+        report.total_seconds = time.perf_counter() - start
+        write(report, out)  # after every check: a run cut short (time limit, lost machine) keeps what it measured
+
     if "sd35" not in args.skip:
-        sections.append(
-            _run(lambda: sd35_check(sizes, info, dtype, speed, not args.no_compile), "SD3.5-Medium", device)
-        )
+        check(lambda: sd35_check(sizes, info, dtype, speed, not args.no_compile), "SD3.5-Medium")
     if "flux" not in args.skip:
-        sections.append(_run(lambda: flux_check(sizes, info, dtype, speed), "FLUX.1-dev", device))
+        check(lambda: flux_check(sizes, info, dtype, speed), "FLUX.1-dev")
     for backend, key in (("transformers", "text"), ("vllm", "vllm")):
         if key not in args.skip:
-            sections.append(_run(lambda b=backend: text_check(sizes, info, dtype, b), f"text ({backend})", device))
+            check(lambda b=backend: text_check(sizes, info, dtype, b), f"text ({backend})")
     if "text_full" not in args.skip:
-        sections.append(
-            _run(lambda: text_check(sizes, info, dtype, "transformers", full=True), "text full fine-tune", device)
-        )
-    command = invoked_as + "".join(f" {shlex.quote(a)}" for a in (argv or sys.argv[1:]))
-    report = Report(
-        command=command,
-        mode="tiny" if args.tiny else "full",
-        info=info,
-        sections=sections,
-        total_seconds=time.perf_counter() - start,
-    )
+        check(lambda: text_check(sizes, info, dtype, "transformers", full=True), "text full fine-tune")
+    sections = report.sections
     json_path = write(report, out)
     print(f"[gpu_check] wrote {out} and {json_path} in {report.total_seconds:.0f} s", file=sys.stderr)
     return 1 if any(s.error for s in sections) else 0

@@ -28,6 +28,12 @@ TIME_KEYS = {
 }
 
 
+def id_parity(prompts, completions, completion_ids, **kwargs) -> list[float]:
+    """The check's reward: parity of the completion's token-id sum. A random model's completions get no reward
+    from a real task (all equal: zero advantages, no gradient pass); this one splits every group about evenly."""
+    return [float(sum(int(i) for i in ids) % 2) for ids in completion_ids]
+
+
 def vllm_unavailable(device: str) -> str | None:
     """Why the vLLM variant cannot run here, or None."""
     if importlib.util.find_spec("vllm") is None:
@@ -69,6 +75,7 @@ def text_check(sizes: models.Sizes, info: DeviceInfo, dtype: torch.dtype, backen
             "progress=false",
             f"output_dir={Path(tmp) / 'run'}",
             "checkpoint.save_final_model=false",
+            f"rewards=[{{name: '{__name__}:id_parity'}}]",
             "seed=0",
         ]
         cfg = load_text_config(None, overrides)
@@ -84,9 +91,14 @@ def text_check(sizes: models.Sizes, info: DeviceInfo, dtype: torch.dtype, backen
         reset_peak_memory(info.device)
         records = train_text(cfg)
     timed_records = records[1:]
+    if not all(r.get("backward_passes", 0) > 0 for r in timed_records):
+        raise RuntimeError(
+            f"a timed step ran no gradient pass (backward passes {[r.get('backward_passes') for r in records]})"
+        )
     for key, label in TIME_KEYS.items():
         values = [float(r[key]) for r in timed_records if key in r]
         sec.figures[label] = statistics.median(values) if values else None
+    sec.figures["backward passes per step"] = statistics.median(float(r["backward_passes"]) for r in timed_records)
     step_s = sec.figures["step s"]
     sec.figures["sequences/s"] = sizes.text_prompts * sizes.text_group / step_s if step_s else None
     sec.figures["ratio |r - 1| max, first pass (trainer's check)"] = max(

@@ -151,7 +151,8 @@ class NFTMethod(ImageMethod):
         def term_loss(micro: Tensor, time_: Tensor, eps: Tensor, r: Tensor) -> tuple[Tensor, Tensor]:
             """One forward-process term of `micro`'s samples at grid times `time_`: its loss and per-sample losses."""
             x_0 = x0[micro].float()
-            tt = time_.to(x_0.device).view(-1, 1, 1, 1)
+            time_ = time_.to(x_0.device)  # the grid times are drawn on the CPU generator
+            tt = time_.view(-1, 1, 1, 1)
             x_t = (1 - tt) * x_0 + tt * eps.to(x_0.device)
             rows = embeds.index(prompt_of[micro])
             with torch.no_grad(), active_lora(adapter, "old") as old:

@@ -25,6 +25,7 @@ import torch
 from ..checkpoint import Checkpoint, load_into
 from ..config import ConfigError
 from ..scaling.sharding import full_state
+from ..run.clock import seconds_since
 from ..run import CheckpointParts, OptimizerStep, PromptSampler, RunLoop, build_ema, build_optimizer
 from . import adversarial, grpo, nft  # noqa: F401  (register the methods)
 from . import artifacts
@@ -157,7 +158,7 @@ class T2ITrainer(RunLoop):
                 )
             )
             trees.append(tree)
-        record["time_rollout_s"] = time.perf_counter() - t0
+        record["time_rollout_s"] = seconds_since(t0, self.adapter.device)
         t1 = time.perf_counter()
         scored = [f.result() for f in futures]  # a scorer error (server down after retries) stops the run here
         record["time_reward_wait_s"] = time.perf_counter() - t1
@@ -221,7 +222,7 @@ class T2ITrainer(RunLoop):
         self.optimizer_step.begin()
         self.method.update(rollout, record)
         record.update(self.optimizer_step.metrics())
-        record["time_train_s"] = time.perf_counter() - t0
+        record["time_train_s"] = seconds_since(t0, self.adapter.device)
 
         nfe1 = self.sampler.counters.as_dict()
         record["nfe_nograd"] = nfe1["nfe_nograd"] - nfe0["nfe_nograd"]

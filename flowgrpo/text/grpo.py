@@ -27,6 +27,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from ..core import LossInputs, LossNormalizer, compute_advantages, policy_loss
+from ..run.clock import seconds_since
 from ..run.ratio_check import FirstPassCheck
 from ..run.method import Method
 from ..run.update import MiniBatch, MicroLoss, pass_order, run_update
@@ -85,10 +86,10 @@ class TextGRPOMethod(Method):
         counts = {"nfe_nograd": 0, "nfe_grad": 0, "backward_passes": 0}
         t0 = time.perf_counter()
         prepared = self._prepare(rollout, record, counts)
-        record["time_logprob_s"] = time.perf_counter() - t0
+        record["time_logprob_s"] = seconds_since(t0, self.ctx.device)
         t0 = time.perf_counter()
         self._update(prepared, record, counts)
-        record["time_train_s"] = time.perf_counter() - t0
+        record["time_train_s"] = seconds_since(t0, self.ctx.device)
         record.update(counts)
         record["tokens/generated"] = int(prepared.rollout.lengths.sum())
 

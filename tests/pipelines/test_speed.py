@@ -169,3 +169,27 @@ def test_t2i_model_config_applies_the_switches():
     adapter, params = build_policy(cfg)
     assert adapter.denoiser.is_gradient_checkpointing and adapter.decode_batch_size == 3
     assert adapter.cfg_forward == "split" and params
+
+
+def test_cudnn_attention_and_tf32_are_process_switches_off_by_default():
+    """cuDNN SDPA off (it failed in a FLUX-size checkpointed backward on an H100) and fp32 kept exact (no TF32
+    matmuls or convolutions) unless the config asks; apply_speed reports what it set."""
+    before = (
+        torch.backends.cuda.cudnn_sdp_enabled(),
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+    )
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        torch.backends.cudnn.allow_tf32 = True  # torch's own default
+        done = _adapter("sd3")[2]
+        assert done["cudnn_attention"] is False and done["tf32"] is False
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+        done = _adapter("sd3", cudnn_attention=True, tf32=True)[2]
+        assert done["cudnn_attention"] is True and done["tf32"] is True
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before[0])
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before[1], before[2]
