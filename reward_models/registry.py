@@ -34,6 +34,8 @@ _BUILTIN_MODULES = (
     "reward_models.prompt_echo",
     "reward_models.ocr",
     "reward_models.vlm_judge",
+    "reward_models.edit_scores",
+    "reward_models.edit_judge",
     "reward_models.geneval",
     "reward_models.adversarial",
 )
