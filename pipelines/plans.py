@@ -204,8 +204,9 @@ def window(
 
     Flow-GRPO-Fast: schedule=random, range_end=T/2, size 1-3. MixGRPO: schedule=progressive (or decay),
     size 4. MixGRPO-Flash: post_solver=dpm2m (2nd-order solver after the window) and post_compress = c
-    (`dpm_post_compress_ratio`): the grid after the window is rebuilt with max(int((T - 1 - L) c), 1)
-    points from the first sigma after the window to 0 (L = the window's last step), on the sampler's
+    (`dpm_post_compress_ratio`): the grid after the window is rebuilt with max(int((T - L) c), 1)
+    points from the first sigma after the window to 0 (L = the window's last step; MixGRPO's
+    `sigma_schedule.size(0) - 1 - last_false_index` with T + 1 grid points), on the sampler's
     time_shift grid, as MixGRPO's run_sample_step does; fewer steps are then run after the window.
     """
     _check_steps(num_steps)
@@ -217,7 +218,7 @@ def window(
         if not 0 < post_compress <= 1:
             raise ValueError(f"post_compress must be in (0, 1], got {post_compress}")
         last = s0 + size - 1
-        points = max(int((num_steps - 1 - last) * post_compress), 1)
+        points = max(int((num_steps - last) * post_compress), 1)
         if points < 2:
             raise ValueError(
                 f"post_compress {post_compress} leaves {points} point after step {last} of {num_steps}: "

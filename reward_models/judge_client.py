@@ -39,7 +39,7 @@ class JudgeSettings:
     api_key: str | None = None  # OpenAI's name for the bearer token (HttpSettings.token), a value or env:NAME
     concurrency: int = 16
     max_tokens: int = 1024
-    temperature: float = 0.0
+    temperature: float | None = 0.0  # None: not sent, the server's default applies (Pref-GRPO's request)
     image_format: str = "jpeg"
     jpeg_quality: int = 95
     max_side: int | None = None
@@ -117,7 +117,8 @@ class JudgeClient:
         self.http = HttpClient(replace(http, url=_base_url(http.url), token=token), counters=counters, what="VLM judge")
         self.model = model
         self.concurrency = int(concurrency)
-        self.max_tokens, self.temperature = int(judge.max_tokens), float(judge.temperature)
+        self.max_tokens = int(judge.max_tokens)
+        self.temperature = None if judge.temperature is None else float(judge.temperature)
         self.image_format, self.jpeg_quality = image_format, int(judge.jpeg_quality)
         self.max_side = None if max_side is None else int(max_side)
         self.request_params = dict(judge.request_params or {})
@@ -170,8 +171,9 @@ class JudgeClient:
             "model": self.model,
             "messages": [{"role": "user", "content": content}],
             "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
         }
+        if self.temperature is not None:  # None: the server's default sampling (vLLM: the model's generation config)
+            body["temperature"] = self.temperature
         body.update(self.request_params)
         return body
 

@@ -22,7 +22,8 @@ vlm_judge_pairwise: P(a beats b) from a UnifiedReward-Think style request (Pref-
 
 Transport (reward_models.judge_client.JudgeClient on reward_models.http_client.HttpClient, set by the
 HttpSettings and JudgeSettings keys of the config entry): POST {url}/v1/chat/completions, images as base64
-JPEG q=95 data URLs (Pref-GRPO's protocol; PNG selectable), temperature 0, bounded retries with
+JPEG q=95 data URLs (Pref-GRPO's protocol; PNG selectable), temperature 0 (`temperature: null` sends
+none, as Pref-GRPO's request: the server's default sampling then applies), bounded retries with
 capped exponential backoff and jitter, per-attempt timeouts, an optional per-request deadline,
 and at most `concurrency` requests in flight (a thread pool). A batch takes at most about
 ceil(requests / concurrency) x the per-request bound. A health check (GET /v1/models) runs
@@ -174,7 +175,8 @@ class PairwiseVLMJudge(PairwiseScorer):
         **client: Any,
     ):
         super().__init__(batch_size=batch_size)
-        client.setdefault("max_tokens", 4096)  # room for the judge's reasoning (Pref-GRPO: 4096)
+        # room for the judge's reasoning (Pref-GRPO vllm_request.py: 2048 in the paper's release 6d405e8, 4096 from c9b70d0)
+        client.setdefault("max_tokens", 4096)
         client.setdefault("timeout_s", 300.0)
         self.template, self.both_orders = template, bool(both_orders)
         self.requires_prompts = "{prompt}" in template

@@ -123,7 +123,7 @@ def test_schedule_config_is_strict():
 def published_flash_grid(n: int, shift: float, last_sde: int, ratio: float) -> np.ndarray:
     """MixGRPO run_sample_step, dpm_apply_strategy "post": the grid after the last SDE step, rebuilt."""
     full = published_grid(n, shift)
-    num_post = int(max((n - last_sde - 1) * ratio, 1))
+    num_post = int(max((n + 1 - 1 - last_sde) * ratio, 1))  # sigma_schedule.size(0) = n + 1
     t_post = 1 - (last_sde + 1) / n
     u = np.array([t_post * (1 - k / (num_post - 1)) for k in range(num_post)])
     return np.concatenate([full[: last_sde + 1], shift * u / (1 + (shift - 1) * u)])
