@@ -35,7 +35,10 @@ SD35M = {
     "model.family": "sd3",
     "model.pretrained": "stabilityai/stable-diffusion-3.5-medium",
     "model.finetune": "lora",
-    "model.dtype": "float16",
+    "model.dtype": "float32",  # transformer.to(device) without a dtype (docs/recipes.md, precision)
+    "model.speed.autocast": "float16",  # accelerate mixed_precision fp16 wraps the prepared forward
+    "model.options.max_sequence_length": 128,  # compute_text_embeddings(..., max_sequence_length=128)
+    "seed": 42,
     "model.lora.rank": 32,
     "model.lora.alpha": 64,
     "model.lora.init": "gaussian",
@@ -71,7 +74,12 @@ SD35M = {
     "data.path": "prompts/pickscore_train.txt",
 }
 # flow_grpo/pickscore_scorer.py: scores / 26 (also in TempFlow-GRPO and TP-GRPO)
-PICKSCORE = {"rewards.0.name": "pickscore", "rewards.0.dtype": "float32", "rewards.0.weight": 1 / 26}
+PICKSCORE = {
+    "rewards.0.name": "pickscore",
+    "rewards.0.dtype": "float32",
+    "rewards.0.preprocess": "pil",  # pickscore_score: uint8 PIL images into the CLIP processor
+    "rewards.0.weight": 1 / 26,
+}
 GLOBAL_STD = {
     "advantage.estimator.name": "grpo",
     "advantage.estimator.std_scope": "batch",
@@ -180,7 +188,7 @@ PREF = {
     "rewards.0.model": "UnifiedReward",
     "rewards.0.weight": 0.7,
     "rewards.1.name": "clip_score",
-    "rewards.1.model": "laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
+    "rewards.1.model": "apple/DFN5B-CLIP-ViT-H-14-378",  # README: wget .../DFN5B-CLIP-ViT-H-14-378/.../open_clip_pytorch_model.bin
     "rewards.1.variant": "cosine",
     "rewards.1.weight": 1.4,
     "advantage.estimator.name": "gdpo",
@@ -190,13 +198,16 @@ PREF = {
     "loss.bounds.eps": 1e-4,
     "data.path": "prompts/unigenbench_train.txt",
 }
-# The one-GPU variants of the full fine-tunes: LoRA r128 / alpha 256 over bf16 weights
-# (Pref-GRPO scripts/finetune_prefgrpo_flux_lora.sh), lr stays 1e-5.
+# The LoRA variants: the lineage's published FLUX LoRA setting (DanceGRPO finetune_flux_grpo_8gpus_lora.sh, Pref-GRPO
+# finetune_prefgrpo_flux_lora.sh): r128 / alpha 256, peft default init, 4 targets, fp32 frozen weights under bf16 autocast.
 FLUX_LORA = {
     "model.finetune": "lora",
-    "model.dtype": "bfloat16",
+    "model.dtype": "float32",
+    "model.speed.autocast": "bfloat16",
     "model.lora.rank": 128,
     "model.lora.alpha": 256,
+    "model.lora.init": "default",  # init_lora_weights=True
+    "model.lora.target_modules": ["to_k", "to_q", "to_v", "to_out.0"],
     "optim.lr": 1e-5,
 }
 
@@ -261,6 +272,8 @@ PINS: dict[str, dict[str, Any]] = {
         **SD35M,
         **PICKSCORE,
         "data.path": "prompts/pickscore_sfw_train.txt",
+        "model.dtype": "float16",  # DeepSpeed ZeRO-2 fp16 engine: module.half(), no autocast
+        "model.speed.autocast": None,
         "sampler.sde_kernel.name": "cps",
         "sampler.sde_kernel.a": 0.7,
         "plan.name": "probes",
@@ -293,7 +306,8 @@ PINS: dict[str, dict[str, Any]] = {
     "adv_grpo": {
         **SD35M,
         **GLOBAL_STD,
-        "model.dtype": "bfloat16",
+        "model.dtype": "bfloat16",  # DeepSpeed ZeRO-2 bf16 engine: module.bfloat16(), no autocast
+        "model.speed.autocast": None,
         "sampler.sde_kernel.a": 0.8,
         "sampler.share_noise": True,
         "sampler.share_noise_size": 8,
@@ -308,8 +322,10 @@ PINS: dict[str, dict[str, Any]] = {
         "plan.start": 0,
         "rewards.0.name": "dino_discriminator",
         "rewards.0.model": "facebook/dinov2-base",
+        "rewards.0.dtype": "bfloat16",  # scorer.to(torch.bfloat16)
         "rewards.0.normalize_tokens": True,  # dino_patch_cotrain_score: x / (||x|| + 1e-6) before the head
         "rewards.1.name": "pickscore",
+        "rewards.1.preprocess": "pil",
         "rewards.1.weight": 0.0,
         "adversarial.enabled": True,
         "adversarial.d_times": 10,
@@ -357,10 +373,9 @@ PINS: dict[str, dict[str, Any]] = {
     "mixgrpo_flash": {
         **FLUX,
         **MIXGRPO,
-        "plan.schedule": "fixed",
-        "plan.start": 0,
+        "plan.iters_per_shift": 20,  # finetune_flux_grpo_MixGRPO_Flash.sh (33d8f56): iters_per_group=20, overlap step 1
         "plan.post_solver": "dpm2m",
-        "plan.post_compress": 0.2,
+        "plan.post_compress": 0.4,
     },  # dpm_post_compress_ratio
     "branchgrpo": {
         **FLUX,
@@ -382,7 +397,17 @@ PINS: dict[str, dict[str, Any]] = {
     "pref_grpo": {**FLUX, **PREF},
 }
 for _name in ("dance_grpo", "mixgrpo", "mixgrpo_flash", "branchgrpo", "branchgrpo_mix", "pref_grpo"):
+    PINS[_name].update({"model.speed.tf32": True})  # allow_tf32 = True in every FastVideo main()
     PINS[f"{_name}_lora"] = {**PINS[_name], **FLUX_LORA}
+# DanceGRPO's own LoRA run (finetune_flux_grpo_8gpus_lora.sh, ff7bee1): 8 GPUs x 2 prompts, accumulation 12, lr 3e-4
+PINS["dance_grpo_lora"].update(
+    {"sampler.num_steps": 12, "optim.lr": 3e-4, "train.mini_batches": 2, "iterations": 301, "prompts_per_iteration": 16}
+)
+for _name, _seed in (("dance_grpo", 42), ("mixgrpo", 714), ("mixgrpo_flash", 714), ("branchgrpo", 42)):
+    for _r in (_name, f"{_name}_lora"):
+        PINS[_r]["seed"] = _seed  # --seed (set_seed(seed + rank) there)
+for _r in ("branchgrpo_mix", "branchgrpo_mix_lora", "pref_grpo", "pref_grpo_lora"):
+    PINS[_r]["seed"] = 42
 
 
 def _get(obj: Any, dotted: str) -> Any:
@@ -455,7 +480,8 @@ def test_reward_names_and_settings_exist(recipe):
         assert not unknown, f"{recipe}: scorer '{spec.name}' has no setting(s) {sorted(unknown)}"
 
 
-@pytest.mark.parametrize("recipe", sorted(r for r in PINS if r.endswith("_lora")))
+# dance_grpo_lora is DanceGRPO's own published LoRA run (steps, lr, batch differ: PINS above)
+@pytest.mark.parametrize("recipe", sorted(r for r in PINS if r.endswith("_lora") and r != "dance_grpo_lora"))
 def test_lora_variant_differs_from_its_recipe_only_in_the_model(recipe):
     main = load_t2i_config(REAL_DIR / f"{recipe[: -len('_lora')]}.yaml").model_dump()
     lora = load_t2i_config(REAL_DIR / f"{recipe}.yaml").model_dump()
@@ -481,16 +507,17 @@ def test_trained_steps_of_the_chain_recipes():
 
 
 def test_mixgrpo_window_over_the_published_300_iterations():
-    """GRPOTrainingStates: start 0, +1 every 25 iterations; Flash's script moves it by 0 (fixed at 0-3)."""
+    """GRPOTrainingStates: start 0, +1 every 25 iterations (Flash: every 20, then a DPM tail of int((25 - L) 0.4))."""
     for it in (0, 24, 25, 299):
         start = it // 25
         assert _plan("mixgrpo", it).trained_steps == list(range(start, start + 4)), it
     for it in (0, 20, 299):
-        flash = _plan("mixgrpo_flash", it)
-        assert flash.trained_steps == [0, 1, 2, 3]
-        # the tail after the window rebuilt with max(int((25 - 1 - 3) * 0.2), 1) = 4 points: 3 DPM steps
-        assert [s.solver for s in flash.steps[4:]] == ["dpm2m"] * 3 and flash.steps[3].solver == "euler"
-        assert flash.num_steps == 7 and flash.grid_steps == 25
+        flash, start = _plan("mixgrpo_flash", it), it // 20
+        assert flash.trained_steps == list(range(start, start + 4))
+        last = start + 3  # the tail after the window rebuilt with max(int((25 - L) * 0.4), 1) points
+        post = max(int((25 - last) * 0.4), 1) - 1
+        assert [s.solver for s in flash.steps[last + 1 :]] == ["dpm2m"] * post and flash.steps[last].solver == "euler"
+        assert flash.num_steps == last + 1 + post and flash.grid_steps == 25
 
 
 def test_branchgrpo_trees():
