@@ -22,7 +22,9 @@ from .losses import (
     LossOutput,
     guard_log_ratio,
 )
+from .recipes import RECIPES
 from .registry import Registry, UnknownNameError
+from .regularizers import REGULARIZERS
 from .stages import compute_advantages, policy_loss
 from .transforms import TRANSFORMS
 
@@ -33,6 +35,8 @@ __all__ = [
     "KL_ESTIMATORS",
     "PRESETS",
     "RATIOS",
+    "RECIPES",
+    "REGULARIZERS",
     "STEP_WEIGHTINGS",
     "SURROGATES",
     "TRANSFORMS",

@@ -12,8 +12,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ..config import SettingError
 from .advantages import ESTIMATORS
 from .losses import AGGREGATIONS, BOUNDS, KL_ESTIMATORS, PRESETS, RATIOS, STEP_WEIGHTINGS, SURROGATES
+from .offpolicy import CLIP_MODES, REC_WEIGHTS  # registers the REC family's parts and presets
 from .registry import Registry
+from .regularizers import REGULARIZERS
 from .transforms import TRANSFORMS
+from .conditional import SCHEDULES  # registers CANON and Stratified GRPO
 
 
 @dataclass(frozen=True)
@@ -210,6 +213,7 @@ class LossConfig(StrictModel):
     surrogate: PartSpec = Field(default_factory=lambda: PartSpec(name="ppo_clip"))
     aggregation: PartSpec = Field(default_factory=lambda: PartSpec(name="token_mean"))
     step_weighting: PartSpec = Field(default_factory=lambda: PartSpec(name="none"))
+    regularizer: PartSpec = Field(default_factory=lambda: PartSpec(name="none"))  # OPMD, AsymRE (regularizers.py)
     kl: KLSpec = Field(default_factory=KLSpec)
     entropy_coef: float = 0.0  # the entropy term's weight (finite; its sign is the user's choice)
     log_ratio_clamp: float = Field(default=20.0, gt=0)  # |log ratio| is clamped to this before exp
@@ -229,7 +233,7 @@ class LossConfig(StrictModel):
                 raise ValueError(f"unknown loss preset '{name}'{hint}; valid presets: {sorted(PRESETS)}")
             base = PRESETS[name]
         merged = {**base, **data}
-        for key in ("ratio", "bounds", "surrogate", "aggregation", "step_weighting", "kl"):
+        for key in ("ratio", "bounds", "surrogate", "aggregation", "step_weighting", "regularizer", "kl"):
             user = data.get(key)
             if isinstance(user, dict) and ("name" not in user or key == "kl"):
                 default = base.get(key)
@@ -249,6 +253,7 @@ class LossConfig(StrictModel):
         self.surrogate.check(SURROGATES, "surrogate")
         self.aggregation.check(AGGREGATIONS, "aggregation")
         self.step_weighting.check(STEP_WEIGHTINGS, "step_weighting")
+        self.regularizer.check(REGULARIZERS, "regularizer")
         KL_ESTIMATORS.get(self.kl.estimator)
         return self
 
@@ -282,3 +287,30 @@ bound_settings(BOUNDS, "dcpo", eps_low=NON_NEGATIVE, eps_high=NON_NEGATIVE)
 bound_settings(SURROGATES, "ppo_clip", dual_clip=above(1), delta=above(1))  # both cap a ratio above 1
 bound_settings(SURROGATES, "sapo", tau_pos=POSITIVE, tau_neg=POSITIVE)
 bound_settings(AGGREGATIONS, "token_mean", scale=POSITIVE)
+bound_settings(
+    SURROGATES,
+    "rec",
+    clip_mode=one_of(*CLIP_MODES),
+    eps_low_prime=between(0, 1, low_open=True),  # Trinity: 0 < eps_low_prime <= 1
+    eps_high_prime=POSITIVE,
+    weight=one_of(*REC_WEIGHTS),
+    temp=POSITIVE,
+)
+bound_settings(ESTIMATORS, "rec", eps=EPS, drop=one_of("none", "balance"))
+bound_settings(
+    ESTIMATORS,
+    "canon",
+    metric=one_of("entropy", "length"),
+    lam=PROBABILITY,
+    max_length=POSITIVE,
+    schedule=one_of(*SCHEDULES),
+    scheduled=one_of("inter", "intra"),
+    sched_high=PROBABILITY,
+    sched_low=PROBABILITY,
+    warmup_steps=count(1),
+    total_steps=count(1),
+    cycles=count(1),
+)
+bound_settings(ESTIMATORS, "stratified_grpo", alpha=PROBABILITY, eps=EPS)
+bound_settings(REGULARIZERS, "opmd", coef=NON_NEGATIVE)
+bound_settings(REGULARIZERS, "asymre", coef=NON_NEGATIVE)

@@ -100,6 +100,8 @@ class GroupBatch:
     tree:           rollout-tree structure for node-level estimators.
     preferences:    [P, G, G] P(sample i beats sample j) from a pairwise judge; NaN = unreadable.
     lengths:        [P, G] action counts (tokens or steps), for length-aware statistics.
+    entropy:        [P, G] mean per-action entropy of each sample (CANON's entropy split).
+    step:           the training step, counted from 1 (scheduled estimators: CANON's annealed weights).
     head_nan_policy: how a NaN head enters the weighted sum (see `scalar_rewards`).
     """
 
@@ -112,6 +114,8 @@ class GroupBatch:
     tree: Optional[TreeStructure] = None
     preferences: Optional[Tensor] = None
     lengths: Optional[Tensor] = None
+    entropy: Optional[Tensor] = None
+    step: Optional[int] = None
     head_nan_policy: Literal["propagate", "ignore_head"] = "propagate"
 
     def __post_init__(self) -> None:
@@ -155,6 +159,8 @@ class GroupBatch:
             _check_shape(self.preferences, "preferences", [P, G, G])
         if self.lengths is not None:
             _check_shape(self.lengths, "lengths", [P, G])
+        if self.entropy is not None:
+            _check_shape(self.entropy, "entropy", [P, G])
         if self.tree is not None:
             self.tree.validate(P, G)
 

@@ -31,6 +31,7 @@ from .losses import (
     ratio_metrics,
 )
 from .registry import Entry
+from .regularizers import REGULARIZERS
 from .transforms import TRANSFORMS
 
 
@@ -72,6 +73,7 @@ def policy_loss(
         "surrogate": SURROGATES.get(config.surrogate.name),
         "step weighting": STEP_WEIGHTINGS.get(config.step_weighting.name),
         "aggregation": AGGREGATIONS.get(config.aggregation.name),
+        "regularizer": REGULARIZERS.get(config.regularizer.name),
     }
     kl_entry = KL_ESTIMATORS.get(config.kl.estimator) if config.kl.coef else None
     for slot, entry in parts.items():
@@ -101,6 +103,10 @@ def policy_loss(
         kl = kl_entry.fn(ctx)
         per_action = per_action + config.kl.coef * kl
         values["kl/ref_mean"] = mean_over_mask(kl.detach(), m)
+    if config.regularizer.name != "none":
+        reg = parts["regularizer"].fn(ctx, **config.regularizer.settings)
+        per_action = per_action + reg
+        values[f"reg/{config.regularizer.name}_mean"] = mean_over_mask(reg.detach(), m)
     if config.entropy_coef:
         entropy = given(inputs.entropy, "LossInputs.entropy")
         per_action = per_action - config.entropy_coef * entropy

@@ -7,13 +7,14 @@ loss preset (named like TRL's `loss_type`) and loss part is selectable here by n
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated, Any, Iterable, Literal, Optional, Union
 
 from pydantic import Field, field_validator, model_validator
 
-from ..config import SettingError, load_config, move_renamed_keys, output_dir_problem
-from ..core import AdvantageConfig, LossConfig, PartSpec, StrictModel
+from ..config import SettingError, load_config, move_renamed_keys, output_dir_problem, read_yaml_config
+from ..core import RECIPES, AdvantageConfig, LossConfig, PartSpec, StrictModel
 from ..core.advantages import ESTIMATORS
 from ..guards import GuardConfig
 from ..run.config import CheckpointConfig, OptimConfig, RatioCheckConfig, UpdateConfig
@@ -258,6 +259,9 @@ class TextConfig(StrictModel):
     # stop at this step (as if interrupted); resume continues to `iterations`
     stop_after: Optional[int] = Field(None, ge=0)
     method: str = "grpo"  # a registered text method (flowgrpo.text.methods.METHODS)
+    # a paper's whole recipe (flowgrpo.core.recipes.RECIPES): load_text_config puts its advantage estimator,
+    # transforms and loss in place of the file's; key=value overrides apply on top
+    recipe: Optional[str] = None
     model: TextModelConfig = Field(default_factory=TextModelConfig)
     data: TextDataConfig = Field(default_factory=lambda: TextDataConfig(task=TaskConfig(name="pattern")))
     group_size: int = Field(8, ge=1)  # G (1 only for estimators without a group baseline)
@@ -286,6 +290,13 @@ class TextConfig(StrictModel):
     @classmethod
     def _renamed(cls, data: Any) -> Any:
         return move_renamed_keys(data, RENAMED_KEYS)
+
+    @field_validator("recipe")
+    @classmethod
+    def _known_recipe(cls, name: Optional[str]) -> Optional[str]:
+        if name is not None and name not in RECIPES:
+            raise ValueError(f"unknown recipe '{name}'; valid recipes: {sorted(RECIPES)}")
+        return name
 
     @field_validator("method")
     @classmethod
@@ -354,6 +365,27 @@ def migrate_saved_config(data: dict) -> dict:
     return move_renamed_keys(data, RENAMED_KEYS, warn=False)
 
 
+def recipe_overrides(path: Optional[str | Path], overrides: Iterable[str]) -> list[str]:
+    """The overrides that put the named recipe's sections in place (none without a known `recipe`): the last
+    `recipe=` override wins over the file's `recipe:`."""
+    name = read_yaml_config(Path(path)).get("recipe") if path is not None else None
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key.strip() == "recipe":
+            name = value.strip() or None
+    if name not in RECIPES:
+        return []  # none, or unknown: TextConfig's check names the valid ones
+    recipe = RECIPES[name]
+    return [
+        f"advantage.estimator={json.dumps(recipe['advantage']['estimator'])}",
+        f"advantage.transforms={json.dumps(recipe['advantage']['transforms'])}",
+        f"loss={json.dumps(recipe['loss'])}",
+    ]
+
+
 def load_text_config(path: Optional[str | Path] = None, overrides: Iterable[str] = ()) -> TextConfig:
-    """YAML file + key=value overrides over the embedded defaults."""
+    """YAML file + key=value overrides over the embedded defaults; a `recipe` replaces the advantage estimator,
+    transforms and loss of the defaults and the file, before the overrides."""
+    overrides = list(overrides)
+    overrides = [*recipe_overrides(path, overrides), *overrides]
     return load_config(TextConfig, path, overrides, defaults=DEFAULTS, renamed=RENAMED_KEYS)

@@ -27,6 +27,8 @@ from typing import Any, Iterator, Optional
 import torch
 
 from ..core import LossInputs, LossNormalizer, compute_advantages, policy_loss
+from ..core.conditional import reads_entropy
+from ..core.contracts import given
 from ..run.clock import seconds_since
 from ..run.ratio_check import FirstPassCheck
 from ..run.method import Method
@@ -96,7 +98,18 @@ class TextGRPOMethod(Method):
     def _prepare(self, batch: ScoredBatch, record: dict[str, Any], counts: dict[str, int]) -> PreparedBatch:
         """Advantages, the old / reference log-probs (no grad), mismatch weights, the micro-batch plan."""
         ctx, cfg, rollout = self.ctx, self.ctx.cfg, batch.rollout
-        adv = compute_advantages(group_batch(cfg, ctx.rewards, batch.scores.values, rollout), cfg.advantage)
+        if self.shared_prompt is None:
+            self._decide_shared_prompt(rollout, record, counts)
+        shared = bool(self.shared_prompt)
+        groups = replace(group_batch(cfg, ctx.rewards, batch.scores.values, rollout), step=ctx.iteration + 1)
+        old = None
+        if reads_entropy(cfg.advantage.estimator.name, cfg.advantage.estimator.settings):
+            # CANON splits groups by mean token entropy: score the rollout first (the old pass, reused below)
+            old = self._all_logprobs(ctx.model, rollout, shared, counts, with_entropy=True)
+            ent, cm = given(old.entropy, "entropy"), rollout.completion_mask
+            per_sample = (ent * cm).sum(1) / cm.sum(1).clamp_min(1)
+            groups = replace(groups, entropy=per_sample.view(groups.num_groups, groups.group_size))
+        adv = compute_advantages(groups, cfg.advantage)
         if adv.level != "sample":
             raise ValueError(
                 f"advantage estimator '{cfg.advantage.estimator.name}' gives {adv.level}-level "
@@ -113,14 +126,12 @@ class TextGRPOMethod(Method):
         # the order of every pass, fixed up front: the on-policy check needs the first rows trained on
         orders = [pass_order(N, cfg.seed, ctx.iteration, it, cfg.train.shuffle) for it in range(cfg.train.inner_epochs)]
 
-        if self.shared_prompt is None:
-            self._decide_shared_prompt(rollout, record, counts)
-        shared = bool(self.shared_prompt)
         logp_old = entropy = logp_ref = check_logp = None
         check = cfg.ratio_check.enabled
         corrected = rollout.rollout_logp is not None
-        if self._needs_old_logp() or corrected or (check and cfg.ratio_check.rows is None):
-            old = self._all_logprobs(ctx.model, rollout, shared, counts, with_entropy=True)
+        if old is not None or self._needs_old_logp() or corrected or (check and cfg.ratio_check.rows is None):
+            if old is None:
+                old = self._all_logprobs(ctx.model, rollout, shared, counts, with_entropy=True)
             logp_old, entropy = old.logp, old.entropy
         if self.use_kl:
             assert ctx.reference is not None

@@ -122,7 +122,7 @@ AGGS = [
 def test_every_part_is_in_the_reference():
     assert RATIOS.names() == sorted(RATIO_NAMES)
     assert BOUNDS.names() == sorted({b for b, _ in BOUND_SPECS})
-    assert SURROGATES.names() == sorted({s for s, _ in SURROGATE_SPECS})
+    assert SURROGATES.names() == sorted({s for s, _ in SURROGATE_SPECS} | {"rec"})  # rec: test_core_offpolicy.py
     assert STEP_WEIGHTINGS.names() == sorted(WEIGHTINGS)
     assert KL_ESTIMATORS.names() == sorted({k for k, _ in KL_SPECS})
     assert AGGREGATIONS.names() == sorted(AGGS)
@@ -454,7 +454,9 @@ PRESET_REFERENCE = {
 
 
 def test_every_preset_has_a_reference():
-    assert set(PRESETS) == set(PRESET_REFERENCE)
+    from flowgrpo.core.offpolicy import REC_PRESETS  # against Trinity's loss in test_core_offpolicy.py
+
+    assert set(PRESETS) == set(PRESET_REFERENCE) | set(REC_PRESETS) | {"canon"}  # canon: test_core_conditional.py
 
 
 @pytest.mark.parametrize("name", sorted(PRESET_REFERENCE))
