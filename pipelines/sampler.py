@@ -188,6 +188,9 @@ class Sampler:
             return ddim_schedule(cfg.num_steps, config=adapter.scheduler_config)
         if grid != "scheduler":
             return SIGMA_GRIDS.get(grid).fn(cfg.num_steps, **cfg.schedule.settings)
+        own = getattr(adapter, "flow_grid", None)  # a family whose pipeline walks its own grid (FLUX.2, Z-Image)
+        if own is not None and (schedule := own(cfg.num_steps, cfg.height, cfg.width, cfg.shift)) is not None:
+            return schedule
         if adapter.scheduler_config.get("use_dynamic_shifting"):  # FLUX, Qwen-Image: shift from the token count
             return flow_schedule(
                 cfg.num_steps,

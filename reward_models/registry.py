@@ -38,6 +38,7 @@ _BUILTIN_MODULES = (
     "reward_models.edit_judge",
     "reward_models.geneval",
     "reward_models.adversarial",
+    "reward_models.video",
 )
 KINDS = ("pointwise", "pairwise")
 

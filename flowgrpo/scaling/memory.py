@@ -11,7 +11,8 @@ W ranks (bf16 = 2 bytes, fp32 = 4):
     ZeRO-2   2F + 4T             4T / W      12T / W (master,m,v)  -
     ZeRO-3   2F / W + 4T         4T / W      12T / W (master,m,v)  2 (2 largest blocks)
 
-DDP and FSDP2 keep trained weights in fp32 (the fp32 parameter is the master copy; compute is bf16).
+DDP and FSDP2 keep trained weights in fp32 (the fp32 parameter is the master copy; compute is bf16). The frozen
+weights take 2 bytes unless a spec's recipe keeps them in fp32 (`frozen_bytes` 4: SD3.5-M's transformer).
 flowgrpo's ZeRO (flowgrpo.scaling.zero) keeps the module as the recipe loads it (fp32 trained weights,
 DeepSpeed's bf16 mode off), and DeepSpeed adds its fp32 master partition to the AdamW moments; under ZeRO-3
 the frozen base is partitioned and the trained (LoRA) weights stay whole on every rank. A full fine-tune has
@@ -45,6 +46,27 @@ IMAGE_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_p
 # Flow-GRPO's SD3.5 list (configs/t2i/real/_sd35m.yaml): `attn.` only, so the second attention gets no LoRA
 SD35_LORA_TARGETS = tuple(f"attn.{t}" for t in IMAGE_LORA_TARGETS)
 TEXT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# FLUX.2 [klein]: the double blocks' attention projections + the single blocks' fused QKV / MLP-in projection
+FLUX2_LORA_TARGETS = (*IMAGE_LORA_TARGETS, "to_qkv_mlp_proj")
+FLUX2_BLOCKS = ("Flux2TransformerBlock", "Flux2SingleTransformerBlock")
+# FLUX.2-klein-4B's transformer/config.json; the 9B differs in depth, width and text width (Qwen3-8B: 3 x 4096).
+# Written from public copies of the file (the hub was not reachable here); the built parameter count (3.88 B /
+# 9.08 B) is checked against the published sizes.
+FLUX2_KLEIN_CONFIG: dict[str, Any] = dict(
+    patch_size=1,
+    in_channels=128,
+    num_layers=5,
+    num_single_layers=20,
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=7680,
+    timestep_guidance_channels=256,
+    mlp_ratio=3.0,
+    axes_dims_rope=(32, 32, 32, 32),
+    rope_theta=2000,
+    eps=1e-6,
+    guidance_embeds=False,
+)
 
 
 @dataclass(frozen=True)
@@ -63,6 +85,7 @@ class ModelSpec:
     micro_batch: int
     workload: str  # where tokens / micro_batch / rank come from
     vocab: int = 0  # > 0 for a causal LM (log-softmax over the vocabulary)
+    frozen_bytes: int = 2  # bytes per frozen parameter / buffer: 2 (bf16 / fp16), 4 where the recipe keeps fp32
 
 
 SPECS: tuple[ModelSpec, ...] = (
@@ -115,10 +138,12 @@ SPECS: tuple[ModelSpec, ...] = (
         block_classes=("JointTransformerBlock",),
         lora_rank=32,
         lora_targets=SD35_LORA_TARGETS,
-        tokens=32 * 32 + 77 + 256,
+        tokens=32 * 32 + 77 + 128,
         micro_batch=16,
-        workload="configs/t2i/real/_sd35m.yaml: 512 px (1024 latent tokens), CLIP 77 + T5 256 tokens, LoRA r32 "
-        "on the `attn.` projections (Flow-GRPO's list), micro-batch 16",
+        frozen_bytes=4,
+        workload="configs/t2i/real/_sd35m.yaml: 512 px (1024 latent tokens), CLIP 77 + T5 128 tokens, LoRA r32 "
+        "on the `attn.` projections (Flow-GRPO's list), micro-batch 16; the frozen transformer in fp32 under fp16 "
+        "autocast (Flow-GRPO's launch)",
     ),
     ModelSpec(
         name="Qwen-Image",
@@ -142,6 +167,69 @@ SPECS: tuple[ModelSpec, ...] = (
         tokens=32 * 32 + 256,
         micro_batch=8,
         workload="no shipped recipe: 512 px (1024 latent tokens), LoRA r32, micro-batch 8, 256 prompt tokens",
+    ),
+    ModelSpec(
+        name="FLUX.2-klein-4B",
+        library="diffusers",
+        class_name="Flux2Transformer2DModel",
+        config=FLUX2_KLEIN_CONFIG,
+        source="https://huggingface.co/black-forest-labs/FLUX.2-klein-4B/blob/main/transformer/config.json",
+        block_classes=FLUX2_BLOCKS,
+        lora_rank=32,
+        lora_targets=FLUX2_LORA_TARGETS,
+        tokens=32 * 32 + 512,
+        micro_batch=8,
+        workload="no shipped real recipe (configs/t2i/tiny/flux2_klein.yaml is the tiny one): 512 px (1024 latent "
+        "tokens), the pipeline's 512 padded Qwen3 tokens, LoRA r32 on pipelines.adapters.flux2's targets, micro-batch 8",
+    ),
+    ModelSpec(
+        name="FLUX.2-klein-9B",
+        library="diffusers",
+        class_name="Flux2Transformer2DModel",
+        config={
+            **FLUX2_KLEIN_CONFIG,
+            "num_layers": 8,
+            "num_single_layers": 24,
+            "num_attention_heads": 32,
+            "joint_attention_dim": 12288,
+        },  # fmt: skip
+        source="https://huggingface.co/black-forest-labs/FLUX.2-klein-9B/blob/main/transformer/config.json",
+        block_classes=FLUX2_BLOCKS,
+        lora_rank=32,
+        lora_targets=FLUX2_LORA_TARGETS,
+        tokens=32 * 32 + 512,
+        micro_batch=8,
+        workload="as FLUX.2-klein-4B: 512 px, 512 text tokens, LoRA r32, micro-batch 8 (no shipped real recipe)",
+    ),
+    ModelSpec(
+        name="Z-Image-Turbo",
+        library="diffusers",
+        class_name="ZImageTransformer2DModel",
+        config=dict(
+            all_patch_size=(2,),
+            all_f_patch_size=(1,),
+            in_channels=16,
+            dim=3840,
+            n_layers=30,
+            n_refiner_layers=2,
+            n_heads=30,
+            n_kv_heads=30,
+            norm_eps=1e-5,
+            qk_norm=True,
+            cap_feat_dim=2560,
+            rope_theta=256.0,
+            t_scale=1000.0,
+            axes_dims=(32, 48, 48),
+            axes_lens=(1536, 512, 512),
+        ),
+        source="https://huggingface.co/Tongyi-MAI/Z-Image-Turbo/blob/main/transformer/config.json",
+        block_classes=("ZImageTransformerBlock",),  # 30 main + 2 noise-refiner + 2 caption-refiner blocks
+        lora_rank=32,
+        lora_targets=("to_q", "to_k", "to_v", "to_out.0"),
+        tokens=32 * 32 + 256,
+        micro_batch=8,
+        workload="no shipped real recipe (configs/t2i/tiny/zimage_turbo.yaml is the tiny one): 512 px (1024 latent "
+        "tokens), up to 256 caption tokens (real tokens only), LoRA r32 on the attention projections, micro-batch 8",
     ),
     ModelSpec(
         name="Qwen2.5-7B",
@@ -219,6 +307,7 @@ class ModelFacts:
     tokens: int
     micro_batch: int
     vocab: int
+    frozen_bytes: int = 2
 
 
 def model_facts(spec: ModelSpec, model: torch.nn.Module | None = None) -> ModelFacts:
@@ -229,7 +318,7 @@ def model_facts(spec: ModelSpec, model: torch.nn.Module | None = None) -> ModelF
     sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
     params = sum(p.numel() for p in model.parameters())
     cfg = spec.config
-    hidden = cfg.get("hidden_size") or cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    hidden = cfg.get("hidden_size") or cfg.get("dim") or cfg["num_attention_heads"] * cfg["attention_head_dim"]
     return ModelFacts(
         name=spec.name,
         params=params,
@@ -242,6 +331,7 @@ def model_facts(spec: ModelSpec, model: torch.nn.Module | None = None) -> ModelF
         tokens=spec.tokens,
         micro_batch=spec.micro_batch,
         vocab=spec.vocab,
+        frozen_bytes=spec.frozen_bytes,
     )
 
 
@@ -279,7 +369,7 @@ def memory_row(f: ModelFacts, mode: str, engine: str, world: int) -> MemoryRow:
     if mode not in MODES or engine not in ENGINES or world < 1:
         raise ValueError(f"no row for mode={mode!r} engine={engine!r} world={world}")
     trained = f.lora_params if mode == "LoRA" else f.params
-    frozen = (f.params if mode == "LoRA" else 0) + f.buffers
+    frozen = ((f.params if mode == "LoRA" else 0) + f.buffers) * f.frozen_bytes / 2  # in bf16-equivalents: 2F
     w = world
     if engine == "DDP":
         params, grads, optim, gathered = 2 * frozen + 4 * trained, 4 * trained, 8 * trained, 0
@@ -329,7 +419,8 @@ def render_markdown(specs: tuple[ModelSpec, ...], facts: list[ModelFacts], rows:
 
 def check_counts(facts: list[ModelFacts]) -> None:
     """The meta-built models have the published sizes (guards the config dicts above)."""
-    expected = {"FLUX.1-dev": 11.9e9, "SD3.5-Medium": 2.24e9, "Qwen-Image": 20.4e9, "Qwen2.5-7B": 7.62e9}
+    expected = {"FLUX.1-dev": 11.9e9, "SD3.5-Medium": 2.24e9, "Qwen-Image": 20.4e9, "Qwen2.5-7B": 7.62e9,
+                "FLUX.2-klein-4B": 3.88e9, "FLUX.2-klein-9B": 9.08e9, "Z-Image-Turbo": 6.15e9}  # fmt: skip
     for f in facts:
         want = expected[f.name]
         if abs(f.params - want) > 0.01 * want:

@@ -12,10 +12,17 @@ import torch
 from ..metrics import read_metrics
 
 
-def save_grid(images: torch.Tensor, path: Path, cols: int, max_images: int) -> Path:
-    """images [N, 3, H, W] in [0, 1] -> one PNG, `cols` per row (one group per row)."""
+def save_grid(images: torch.Tensor, path: Path, cols: int, max_images: int, prompts: Any = None) -> Path:
+    """images [N, 3, H, W] in [0, 1] -> one PNG, `cols` per row (one group per row). `prompts` (one per row): rows of
+    edit prompts start with their source image(s): source | edits (edit_data.with_sources)."""
     from diffusers.utils import make_image_grid
     from PIL import Image
+
+    if prompts is not None:
+        from .edit_data import with_sources
+
+        images, wide = with_sources(images, prompts, cols)
+        max_images, cols = -(-max_images // cols) * wide, wide
 
     images = images[:max_images].detach().float().clamp(0, 1)
     cols = max(1, min(cols, images.shape[0]))

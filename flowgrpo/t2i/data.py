@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..config import ConfigError, read_text_file
+from .edit_data import ImageSpec, edit_prompt, names_images, text_of
 
 
 @dataclass
@@ -41,8 +42,11 @@ def _fetch_hint(file: Path) -> str:
     return "; the real recipes' prompt sets: python scripts/fetch_prompts.py --check lists them"
 
 
-def load_prompt_set(prompts: Optional[list[str]], path: Optional[str], what: str = "data") -> Optional[PromptSet]:
-    """Inline prompts or a file; None when neither is given."""
+def load_prompt_set(
+    prompts: Optional[list[str]], path: Optional[str], what: str = "data", images: Optional[ImageSpec] = None
+) -> Optional[PromptSet]:
+    """Inline prompts or a file; None when neither is given. .jsonl rows may name input images (edit_data.py):
+    `images` sets the size they are brought to."""
     if prompts is not None:
         if not prompts or not all(isinstance(p, str) and p for p in prompts):
             raise ConfigError(f"{what}: prompts must be a non-empty list of non-empty strings")
@@ -61,9 +65,10 @@ def load_prompt_set(prompts: Optional[list[str]], path: Optional[str], what: str
                 row = json.loads(line)
             except json.JSONDecodeError as err:
                 raise ConfigError(f"{what}: {path} line {n} is not JSON: {err}") from None
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                raise ConfigError(f"{what}: {path} line {n} needs a string field 'prompt'")
-            rows.append(row.pop("prompt"))
+            text = text_of(row) if isinstance(row, dict) else None
+            if not isinstance(text, str):
+                raise ConfigError(f"{what}: {path} line {n} needs a string field 'prompt' (or 'instruction')")
+            rows.append(edit_prompt(text, row, file, n, what, images) if names_images(row) else text)
             metas.append(row)
         out = PromptSet(rows, metas)
     else:

@@ -12,13 +12,21 @@ from typing import Any
 from .base import CFG_MODES, LORA_INITS, Adapter
 from .embeds import PromptEmbeds
 from .flux import FluxAdapter
+from .flux2 import Flux2Adapter
+from .kontext import FluxKontextAdapter
 from .qwenimage import QwenImageAdapter
+from .qwenimage_edit import QwenImageEditAdapter, QwenImageEditPlusAdapter
 from .sd3 import SD3Adapter
 from .sd15 import SD15Adapter
+from .wan import WanAdapter
+from .zimage import ZImageAdapter
 
 ADAPTERS: dict[str, type[Adapter]] = {
-    cls.family: cls for cls in (SD3Adapter, FluxAdapter, SD15Adapter, QwenImageAdapter)
+    cls.family: cls for cls in (SD3Adapter, FluxAdapter, SD15Adapter, QwenImageAdapter, Flux2Adapter, ZImageAdapter)
 }
+# image editing: prompts carry their source image(s) (editing.EditPrompt)
+ADAPTERS.update({cls.family: cls for cls in (FluxKontextAdapter, QwenImageEditAdapter, QwenImageEditPlusAdapter)})
+ADAPTERS[WanAdapter.family] = WanAdapter  # video: latents [B, C, F, h, w]
 
 
 def build_adapter(name: str, pretrained: str | os.PathLike | None = None, tiny: bool = False, **kw: Any) -> Adapter:
@@ -33,6 +41,7 @@ def build_adapter(name: str, pretrained: str | os.PathLike | None = None, tiny: 
 
 
 __all__ = [
-    "ADAPTERS", "CFG_MODES", "LORA_INITS", "Adapter", "FluxAdapter", "PromptEmbeds", "QwenImageAdapter",
-    "SD15Adapter", "SD3Adapter", "build_adapter",
+    "ADAPTERS", "CFG_MODES", "LORA_INITS", "Adapter", "Flux2Adapter", "FluxAdapter", "FluxKontextAdapter",
+    "PromptEmbeds", "QwenImageAdapter", "QwenImageEditAdapter", "QwenImageEditPlusAdapter", "SD15Adapter",
+    "SD3Adapter", "WanAdapter", "ZImageAdapter", "build_adapter",
 ]  # fmt: skip

@@ -47,6 +47,7 @@ class Adapter(abc.ABC):
     # before it (exact resume; the same rollout whatever the cache held). Each prompt is encoded once.
     encode_batch_size: ClassVar[int] = 1
     block_names: ClassVar[tuple[str, ...]] = ("transformer_blocks",)  # the denoiser's repeated blocks (compile)
+    latent_ndim: ClassVar[int] = 4  # [B, C, h, w]; video families: 5 ([B, C, F, h, w], latent_shape gives (C, F, h, w))
     # Speed switches (pipelines.speed.apply_speed sets them): autocast dtype of denoiser forwards, CFG in
     # one batched forward or two, VAE decode chunk size (None: all images at once).
     autocast_dtype: torch.dtype | None = None
@@ -120,6 +121,11 @@ class Adapter(abc.ABC):
 
     def _latent_channels(self) -> int:
         return self.vae.config.latent_channels
+
+    def flow_grid(self, num_steps: int, height: int, width: int, shift: float | None) -> Any:
+        """The sigma grid (a FlowSchedule) of the family's own pipeline where the sampler's "scheduler" grid would
+        differ from it (FLUX.2's step-dependent mu, Z-Image's uniform spacing); None: the sampler's default."""
+        return None
 
     def _patch_size(self) -> int:
         return self.patch_of(self.denoiser.config)
@@ -239,8 +245,8 @@ class Adapter(abc.ABC):
         """
         if cfg_mode not in CFG_MODES:
             raise ValueError(f"cfg_mode must be one of {CFG_MODES}, got '{cfg_mode}'")
-        if latents.dim() != 4:
-            raise ValueError(f"latents must be [B, C, h, w], got shape {tuple(latents.shape)}")
+        if latents.dim() != self.latent_ndim:  # 5 for video families: [B, C, F, h, w]
+            raise ValueError(f"latents must be {self.latent_ndim}-D [B, C, (F,) h, w], got {tuple(latents.shape)}")
         b = latents.shape[0]
         if len(embeds) != b:
             raise ValueError(f"embeds have {len(embeds)} rows but latents have {b}")

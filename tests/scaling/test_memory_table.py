@@ -156,7 +156,11 @@ def test_workloads_are_the_shipped_recipes():
     assert specs["SD3.5-Medium"].lora_rank == sd35["model"]["lora"]["rank"]
     assert sorted(specs["SD3.5-Medium"].lora_targets) == sorted(sd35["model"]["lora"]["target_modules"])
     assert sd35["sampler"]["height"] == sd35["sampler"]["width"] == 512  # 1024 latent tokens
-    assert specs["SD3.5-Medium"].tokens == 1024 + 77 + SD3Adapter.default_max_sequence_length
+    # the recipe's T5 length (Flow-GRPO's 128), not the adapter's default 256; its frozen transformer in fp32
+    assert specs["SD3.5-Medium"].tokens == 1024 + 77 + sd35["model"]["options"]["max_sequence_length"]
+    assert SD3Adapter.default_max_sequence_length != sd35["model"]["options"]["max_sequence_length"]
+    assert (specs["SD3.5-Medium"].frozen_bytes, sd35["model"]["dtype"]) == (4, "float32")
+    assert {s.frozen_bytes for n, s in specs.items() if n != "SD3.5-Medium"} == {2}
     for adapter in (FluxAdapter, SD3Adapter, QwenImageAdapter):
         assert tuple(adapter.lora_targets) == mem.IMAGE_LORA_TARGETS
     text = yaml.safe_load((ROOT / "configs/text/real/qwen2.5-1.5b_math_vllm.yaml").read_text())
