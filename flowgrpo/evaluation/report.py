@@ -25,6 +25,7 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from .config import ReportConfig
+from .hacking import hacking_section
 from .results import Run
 from .stats import finite
 
@@ -241,6 +242,7 @@ def build_report(
         "NaN = could not score, left out of the statistics.</p>",
         "<h2>Summary</h2>",
         _summary_table(summary["scores"], confidence),
+        hacking_section(summary["hacking"], fmt, _e) if summary.get("hacking") else "",
     ]
     if comp is not None:
         body += ["<h2>Comparison</h2>", _comparison_tables(comp, confidence)]

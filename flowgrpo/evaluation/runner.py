@@ -19,6 +19,7 @@ import numpy as np
 
 from ..config import ConfigError, dump_config
 from .config import EvalConfig, InputConfig, load_eval_config
+from .hacking import hacking_summary
 from .report import build_report
 from .results import CONFIG_YAML, REPORT_HTML, SCORES_JSONL, SUMMARY_JSON, Run, read_run, write_json, write_scores
 from .scoring import build_scorers, close_scorers, score_pairs, score_samples
@@ -151,6 +152,8 @@ def evaluate(config: EvalConfig) -> dict:
             summary["comparison"], pairs = compare_runs(run_a, run_b, config, pairwise)
     finally:
         close_scorers(pointwise, pairwise)
+    lora = config.input.generate.lora if config.input.generate is not None else None
+    summary["hacking"] = hacking_summary([run for _, run in collected] + ([old] if old else []), lora)
     write_json(out / SUMMARY_JSON, summary)
     if config.report.enabled:
         page = build_report(run_b, summary, config.report, run_a, pairs, config.progress)
