@@ -82,7 +82,8 @@ def test_image_methods_are_registered_plugins():
     from flowgrpo.t2i import trainer  # noqa: F401  (imports the method modules)
     from flowgrpo.t2i.methods import METHODS, WRAPPERS
 
-    assert METHODS.names() == ["grpo", "nft"] and WRAPPERS.names() == ["adversarial"]
+    assert METHODS.names() == ["awm", "diffusion_dpo", "grpo", "grpo_gardo", "nft", "nft_gardo", "sft"]
+    assert WRAPPERS.names() == ["adversarial"]
 
 
 def test_estimators_declare_the_plan_they_read():

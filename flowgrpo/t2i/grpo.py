@@ -42,9 +42,7 @@ class GRPOMethod(ImageMethod):
 
     def update(self, rollout: ScoredRollout, record: dict[str, Any]) -> None:
         ctx, cfg = self.ctx, self.ctx.cfg
-        credit = assign_credit(
-            rollout.global_tree, rollout.leaf_values, rollout.probe_values, rollout.preferences, cfg, ctx.iteration
-        )
+        credit = self.assign(rollout)
         record.update(credit.metrics)
         pad: list[EdgeBatch] = []  # a sharded run's padding edge, found the first time one is needed
 
@@ -69,6 +67,13 @@ class GRPOMethod(ImageMethod):
         )
         record_update(record, result, len(ctx.optimizer_step.norms), ctx.dist.lockstep)
         check.report(record, f"iteration {ctx.iteration + 1}", SUSPECTS)
+
+    def assign(self, rollout: ScoredRollout) -> Credit:
+        """One advantage per trained edge (GARDO's plug-in overrides it: flowgrpo/t2i/gardo_methods.py)."""
+        return assign_credit(
+            rollout.global_tree, rollout.leaf_values, rollout.probe_values, rollout.preferences, self.ctx.cfg,
+            self.ctx.iteration,
+        )  # fmt: skip
 
     def _passes(self, credit: Credit, rollout: ScoredRollout) -> Iterator[Iterator[MiniBatch]]:
         """Per inner epoch, its mini-batches: this rank's edges, one global normaliser, micro-batches of edges."""

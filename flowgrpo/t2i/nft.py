@@ -87,6 +87,7 @@ class NFTMethod(ImageMethod):
         super().__init__(ctx)
         self.old_params = ctx.adapter.lora_parameters("old")
         soft_update(self.old_params, ctx.params, 0.0)
+        self._ref_rows = 0  # rows the reference ran in the last term (its forwards are counted as nfe_nograd)
 
     @staticmethod
     def needs_reference(cfg: Any) -> bool:
@@ -160,16 +161,13 @@ class NFTMethod(ImageMethod):
             v = adapter.model_output(x_t, time_, rows, cfg.sampler.guidance_scale, "none")
             per = nft_loss(v, v_old, x_t, x_0, time_, r.to(v.device), beta=nft.beta, adv_max=nft.adv_max)
             loss = per.sum() / total * cfg.train.mini_batches
-            if nft.kl_coef:
-                with torch.no_grad(), ctx.reference() as ref:
-                    v_ref = ref.model_output(x_t, time_, rows, cfg.sampler.guidance_scale, "none")
-                loss = loss + nft.kl_coef * ((v - v_ref) ** 2).flatten(1).mean(1).sum() / total
-            return loss, per.detach()
+            penalty, self._ref_rows = self.reference_penalty(v, x_t, time_, rows, micro, total)
+            return loss + penalty, per.detach()
 
         def micro_loss(term: tuple[Tensor, Tensor, Tensor], norm: Any, on_policy: bool) -> MicroLoss:
             micro, time_, eps = term
             loss, per = term_loss(micro, time_, eps, opt_r[micro])
-            counters.nfe_nograd += micro.numel() * (2 if nft.kl_coef else 1)
+            counters.nfe_nograd += micro.numel() + self._ref_rows  # the old policy's rows, the reference's
             counters.nfe_grad += micro.numel()
             terms["sum"] += float(per.sum())
             terms["n"] += micro.numel()
@@ -199,6 +197,18 @@ class NFTMethod(ImageMethod):
                 "nft/mean_r": float(opt_r[keep].mean()) if keep.numel() else math.nan,
             }
         )
+
+    def reference_penalty(
+        self, v: Tensor, x_t: Tensor, t: Tensor, rows: Any, micro: Tensor, total: float
+    ) -> tuple[Tensor | float, int]:
+        """The reference term of a micro-batch's loss and the rows the reference ran: kl_coef mean_dims
+        |v - v_ref|^2 summed / total (GARDO's plug-in overrides it: flowgrpo/t2i/gardo_methods.py)."""
+        kl_coef = self.ctx.cfg.nft.kl_coef
+        if not kl_coef:
+            return 0.0, 0
+        with torch.no_grad(), self.ctx.reference() as ref:
+            v_ref = ref.model_output(x_t, t, rows, self.ctx.cfg.sampler.guidance_scale, "none")
+        return kl_coef * ((v - v_ref) ** 2).flatten(1).mean(1).sum() / total, micro.numel()
 
     def _terms(
         self, mini: Tensor, g: torch.Generator, x0: Tensor, n_grid: int, n_t: int, sig: Tensor

@@ -13,7 +13,14 @@ import torch
 from torch import Tensor
 
 from ..core import LossConfig, LossInputs, LossNormalizer, LossOutput, mean_sqdist, policy_loss
-from ..core.losses import KL_ESTIMATORS
+from ..core.losses import KL_ESTIMATORS, RATIOS, SURROGATES
+
+
+def reads_old_means(loss: LossConfig) -> bool:
+    """Whether the configured ratio or surrogate reads the rollout-time transition means (GRPO-Guard's ratio_norm,
+    Flow-DPPO's trust region): the sampler then keeps them and the objective hands them to the loss."""
+    parts = (RATIOS.get(loss.ratio.name), SURROGATES.get(loss.surrogate.name))
+    return any("mean_sqdist_old" in p.requires for p in parts)
 
 
 @dataclass
@@ -83,7 +90,7 @@ class EdgeObjective:
         self.sampler = sampler
         self.loss = loss
         self.reference = reference
-        self.needs_old_mean = loss.ratio.name == "ratio_norm"
+        self.needs_old_mean = reads_old_means(loss)
         # closed-form estimators (gaussian, flow_grpo) read the reference mean; k1-k3 its log-prob
         self.kl_closed_form = loss.kl.coef != 0 and "mean_sqdist_ref" in KL_ESTIMATORS.get(loss.kl.estimator).requires
         self.kl_logp = loss.kl.coef != 0 and not self.kl_closed_form

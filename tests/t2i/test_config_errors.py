@@ -26,7 +26,10 @@ def _load(*overrides, recipe="flow_grpo"):
         (["loss.ratio=sequence"], "image actions are single transitions"),
         (["edges.width_pruning=0.5"], "pruning are BranchGRPO options"),
         (["method=nft", "sampler.cfg_mode=full"], "CFG-free"),
-        (["method=grpoo"], r"unknown method 'grpoo'.*valid names: \['grpo', 'nft'\]"),
+        (
+            ["method=grpoo"],
+            r"unknown method 'grpoo'.*valid names: \['awm', 'diffusion_dpo', 'grpo', 'grpo_gardo', 'nft'",
+        ),
         (["method=nft", "model.finetune=full"], "finetune must be 'lora'"),
         (["edges.per_sample_fraction=0.5", "method=nft"], "it needs method grpo"),
         (["model.finetune=full", "model.dtype=bfloat16"], "float32 master weights"),
