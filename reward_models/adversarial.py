@@ -2,7 +2,8 @@
 
 Features: the DINOv2 output tokens after its final layer norm (images resized to 518x518, ImageNet
 statistics: the Dinov2Backbone of encoders.py). The head h is D -> head_hidden -> GELU -> 1 in
-float32, applied to the CLS token and to `num_patches` patch tokens drawn at random per image, with
+`head_dtype` (float32 by default; Adv-GRPO casts it to bf16 and trains it so, with a plain Adam whose moments
+are then bf16 too), applied to the CLS token and to `num_patches` patch tokens drawn at random per image, with
 replacement, from a torch.Generator the scorer owns (its state is part of `state_tensors`).
 
     reward  r = cls_weight * h(n(cls)) + patch_weight * mean_k h(n(patch_k)),  n(x) = x / (||x|| + 1e-6)
@@ -32,6 +33,9 @@ from .encoders import Dinov2Backbone
 from .images import ImageBatch
 from .registry import register
 from .similarity import DINOV2_BASE
+
+
+HEAD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class DiscriminatorHead(nn.Module):
@@ -76,6 +80,7 @@ class DinoDiscriminator(Pretrained, Scorer):
         seed: int = 0,
         batch_size: int = 32,
         normalize_tokens: bool = True,
+        head_dtype: torch.dtype = torch.float32,
         key: str | None = None,
     ):
         super().__init__(batch_size=batch_size, key=key)
@@ -85,7 +90,8 @@ class DinoDiscriminator(Pretrained, Scorer):
         if head.input_dim != hidden:
             raise ValueError(f"discriminator head expects {head.input_dim}-d tokens, the DINOv2 gives {hidden}")
         self.backbone = backbone
-        self.head = head.to(device=backbone.device, dtype=torch.float32).requires_grad_(True)
+        self.head_dtype = head_dtype
+        self.head = head.to(device=backbone.device, dtype=head_dtype).requires_grad_(True)
         self.num_patches = int(num_patches)
         self.cls_weight, self.patch_weight = float(cls_weight), float(patch_weight)
         self.normalize_tokens = bool(normalize_tokens)
@@ -96,7 +102,7 @@ class DinoDiscriminator(Pretrained, Scorer):
 
     def to(self, device=None, dtype=None):
         self.backbone.to(device, dtype)
-        self.head.to(device=self.backbone.device)  # stays float32
+        self.head.to(device=self.backbone.device)  # keeps head_dtype
         return self
 
     def trainable_parameters(self) -> list[nn.Parameter]:
@@ -146,8 +152,9 @@ class DinoDiscriminator(Pretrained, Scorer):
         return torch.cat(cls_parts), torch.cat(patch_parts)
 
     def logits(self, cls: torch.Tensor, patches: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Head outputs: (h(cls) [B], h(patches) [B, K])."""
-        return self.head(cls), self.head(patches)
+        """Head outputs, float32: (h(cls) [B], h(patches) [B, K]); the tokens enter the head in its dtype."""
+        dt = self.head_dtype
+        return self.head(cls.to(dt)).float(), self.head(patches.to(dt)).float()
 
     def combine(self, h_cls: torch.Tensor, h_patch: torch.Tensor) -> torch.Tensor:
         """r = cls_weight * h(cls) + patch_weight * mean_k h(patch_k)."""
@@ -227,10 +234,14 @@ def build_dino_discriminator(
     head_hidden: int = 512,
     seed: int = 0,
     normalize_tokens: bool = True,
+    head_dtype: str = "float32",
     local_files_only: bool = False,
     key: str | None = None,
 ) -> DinoDiscriminator:
-    """Adv-GRPO DINO-as-D: frozen DINOv2 + trainable MLP head on CLS and random patches."""
+    """Adv-GRPO DINO-as-D: frozen DINOv2 + trainable MLP head on CLS and random patches. `head_dtype`: the head's
+    weights (and so its Adam moments); "bfloat16" as published (`head.to(torch.bfloat16)` before its Adam)."""
+    if head_dtype not in HEAD_DTYPES:
+        raise ValueError(f"head_dtype must be one of {sorted(HEAD_DTYPES)}, got '{head_dtype}'")
     kw = dict(image_size=image_size, device=device, dtype=dtype)
     backbone = (
         Dinov2Backbone.tiny(0, **kw)
@@ -258,5 +269,6 @@ def build_dino_discriminator(
         seed=seed,
         batch_size=batch_size,
         normalize_tokens=normalize_tokens,
+        head_dtype=HEAD_DTYPES[head_dtype],
         key=key,
     )

@@ -98,13 +98,16 @@ class Checkpointer:
         keep_last: Optional[int] = None,
         unit: str = "step",
         migrate_saved_config: Optional[Callable[[Mapping[str, Any]], Mapping[str, Any]]] = None,
+        config_defaults: Optional[Callable[[], Mapping[str, Any]]] = None,
     ) -> None:
         """`migrate_saved_config`: a checkpoint's config as the current keys name it (keys renamed since it was
-        written), so that the resume check compares like with like."""
+        written), so that the resume check compares like with like. `config_defaults`: every setting's default,
+        so that a setting added since the checkpoint was written, left at its default, is no change."""
         self.dist, self.folder = dist, folder
         self.parts, self.schedulers, self.optimizer_step = parts, schedulers, optimizer_step
         self.config, self.keep_last, self.unit = config, keep_last, unit
         self.migrate_saved_config = migrate_saved_config or (lambda saved: saved)
+        self.config_defaults = config_defaults
 
     # --- save ------------------------------------------------------------------------------------------
 
@@ -205,7 +208,8 @@ class Checkpointer:
             return None
         # the settings first, from config.json alone: another model, recipe or layer count is refused in one line
         # naming the keys before the optimizer state (which would not fit) is read
-        check_resume_config(self.config(), self._saved_config(path), free)
+        defaults = None if self.config_defaults is None else self.config_defaults()
+        check_resume_config(self.config(), self._saved_config(path), free, defaults)
         parts = self.parts()
         shards = None
         if (path / SHARDED).is_dir():  # saved sharded: read on this run's ranks, sharded or not

@@ -8,6 +8,7 @@ from typing import Annotated, Literal, Optional
 from pydantic import Field, model_validator
 
 from ..core.config import StrictModel
+from .loss_scale import LossScaleConfig
 
 
 class UpdateConfig(StrictModel):
@@ -32,6 +33,8 @@ class OptimConfig(StrictModel):
     betas: tuple[Beta, Beta] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0)  # Adam's denominator floor (0: a weight whose gradient is 0 becomes NaN)
     max_grad_norm: Optional[float] = Field(1.0, gt=0)  # None = no clipping (the norm is still logged)
+    # fp16 loss scaling (flowgrpo.run.loss_scale): none | dynamic (torch's GradScaler in the optimizer step)
+    loss_scale: LossScaleConfig = Field(default_factory=LossScaleConfig)
 
 
 class RatioCheckConfig(StrictModel):

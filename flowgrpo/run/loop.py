@@ -151,6 +151,11 @@ class RunLoop:
     def progress_postfix(self, record: dict[str, Any]) -> dict[str, str]:
         return {"reward": f"{record.get('reward_mean', math.nan):.4f}"}
 
+    def stop_reason(self) -> Optional[str]:
+        """After a step: why the run should end now (the same answer on every rank), None to go on. The loop saves
+        a checkpoint, logs the reason in one line and returns (no final evaluation: `resume=true` goes on)."""
+        return None
+
     def finish(self, final_eval: dict[str, float]) -> None:
         """Rank 0, after the last step: write what the finished run leaves besides the final model."""
 
@@ -185,6 +190,7 @@ class RunLoop:
             optimizer_step=self.optimizer_step, config=lambda: self.cfg.model_dump(mode="json"),
             keep_last=self.cfg.checkpoint.keep_last, unit=self.unit,
             migrate_saved_config=lambda saved: move_renamed_keys(saved, self.renamed_keys, warn=False),
+            config_defaults=lambda: type(self.cfg)().model_dump(mode="json"),
         )  # fmt: skip
 
     def save(self) -> Optional[Path]:
@@ -326,13 +332,17 @@ class RunLoop:
                     self.log_record(record, self.iteration)
                 history.append(record)
                 # poll first, on every rank: a collective (max over ranks), so all ranks save the same step
-                if stop.poll(self.dist) or self._checkpoint_due(end):
+                halt = self.stop_reason()
+                if stop.poll(self.dist) or self._checkpoint_due(end) or halt:
                     t0 = time.perf_counter()
                     self.save()
                     ckpt_seconds = time.perf_counter() - t0
                 bar.update(1)
                 bar.set_postfix(**self.progress_postfix(record))
                 stop.check(self.iteration)  # raises Interrupted (exit 128 + signal, resume hint) after the save
+                if halt:
+                    log.warning("stopping after %s %d: %s", self.unit, self.iteration, halt)
+                    break
         finally:
             stop.restore()
             bar.close()

@@ -1,7 +1,8 @@
 """AdamW with its learning-rate schedule, and the optimizer step both trainers take.
 
 The step is the one place where gradients become weights: all-reduce over ranks (FSDP2 reduce-scatters them
-in backward instead), clip, AdamW, zero the gradients, EMA. The run's `NonFiniteGuard` refuses a NaN / inf gradient here, so no trainer can forget it.
+in backward instead), unscale (fp16 loss scaling, `optim.loss_scale`: flowgrpo.run.loss_scale), clip, AdamW, zero
+the gradients, EMA. The run's `NonFiniteGuard` refuses a NaN / inf gradient here, so no trainer can forget it.
 The trainers back-propagate the policy's losses through `OptimizerStep.backward`: in a ZeRO run (a DeepSpeed
 launch) the step owns a DeepSpeed engine, which reduces, clips and steps (flowgrpo.scaling.zero).
 """
@@ -19,6 +20,7 @@ from ..guards import NonFiniteGuard
 from ..scaling.sharding import clip_grad_norm
 from .config import OptimConfig
 from .ema import ScheduledEMA
+from .loss_scale import LossScaleConfig, LossScaler, ScaledOptimizerState
 
 if TYPE_CHECKING:
     from ..scaling.zero import ZeroEngine
@@ -77,9 +79,11 @@ def build_optimizer(
 
 
 class OptimizerStep:
-    """Gradients summed over ranks -> clipped -> AdamW -> zeroed -> EMA; counts steps and grad norms. With a
-    `guard`, a step whose (global) gradient norm is NaN / inf is skipped: the gradients are zeroed, the weights,
-    the AdamW moments and the EMA stay as they were, and the guard counts it."""
+    """Gradients summed over ranks -> unscaled -> clipped -> AdamW -> zeroed -> EMA; counts steps and grad norms.
+    With a `guard`, a step whose (global) gradient norm is NaN / inf is skipped: the gradients are zeroed, the
+    weights, the AdamW moments and the EMA stay as they were, and the guard counts it. With `loss_scale` dynamic,
+    `backward` scales each loss and a NaN / inf norm is first an overflow (flowgrpo.run.loss_scale: the scale
+    halves, the skip is counted in `train/skipped_steps`, the clocks advance as in the published loops)."""
 
     def __init__(
         self,
@@ -90,8 +94,10 @@ class OptimizerStep:
         ema: Optional[ScheduledEMA] = None,
         guard: Optional[NonFiniteGuard] = None,
         module: Optional[torch.nn.Module] = None,
+        loss_scale: Optional[LossScaleConfig] = None,
     ) -> None:
-        """`module`: the model that holds `params` (the DeepSpeed engine of a ZeRO run wraps it)."""
+        """`module`: the model that holds `params` (the DeepSpeed engine of a ZeRO run wraps it); `loss_scale`: the
+        recipe's `optim.loss_scale` (None: off)."""
         self.params, self.optimizer, self.dist, self.guard = params, optimizer, dist, guard
         self.max_norm = max_grad_norm if max_grad_norm is not None else math.inf
         self.ema = ema
@@ -110,6 +116,20 @@ class OptimizerStep:
             except ZeroError as err:
                 raise ConfigError(f"accelerate DeepSpeed config: {err}") from None
             self.checkpointed = FullOptimizerState(self.zero)
+        self.scaler: Optional[LossScaler] = None
+        if loss_scale is not None and loss_scale.enabled:
+            from ..config import ConfigError
+
+            if self.zero is not None:
+                raise ConfigError(
+                    "optim.loss_scale dynamic under a DeepSpeed launch: the engine reduces and clips the gradients "
+                    "itself, before flowgrpo could unscale them; launch with ddp.yaml or fsdp2.yaml"
+                )
+            try:
+                self.scaler = LossScaler(loss_scale, params)
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
+            self.checkpointed = ScaledOptimizerState(optimizer, self.scaler)
 
     def gather_state(self) -> None:
         """Every rank, before rank 0 writes a checkpoint: a ZeRO engine's AdamW moments gathered from the
@@ -127,12 +147,16 @@ class OptimizerStep:
         """Back-propagate a policy loss (through the DeepSpeed engine in a ZeRO run)."""
         if self.zero is not None:
             self.zero.backward(loss)
+        elif self.scaler is not None:
+            self.scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
         else:
             loss.backward()  # type: ignore[no-untyped-call]  # (Tensor.backward: what the bench probe times)
 
     def begin(self) -> None:
         """A new training step: its grad norms start empty."""
         self.norms = []
+        if self.scaler is not None:
+            self.scaler.skipped = 0
 
     def __call__(self) -> float:
         if self.ema is not None:
@@ -140,17 +164,25 @@ class OptimizerStep:
         if self.zero is not None:
             return self._zero_step()
         self.dist.all_reduce_grads(self.params)
+        checked = self.scaler is not None and self.scaler.unscale(self.optimizer, self.params)
         norm = clip_grad_norm(self.params, self.max_norm)  # over every shard when FSDP2 shards the weights
+        if self.scaler is not None and self.scaler.update(math.isfinite(norm), checked) and not math.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)  # an overflow, not in grad_norm; the published loops count
+            self._advance()  # the step and call the EMA on the unchanged weights
+            return norm
         self.norms.append(norm)
         if self.guard is not None and not self.guard.step_ok(norm):  # the same norm on every rank: all skip
             self.optimizer.zero_grad(set_to_none=True)
             return norm
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._advance()
+        return norm
+
+    def _advance(self) -> None:
         self.total += 1
         if self.ema is not None:
             self.ema.after_step(self.params)
-        return norm
 
     def _zero_step(self) -> float:
         """DeepSpeed reduces, clips and steps; it skips a step whose gradients hold NaN / inf itself."""
@@ -167,9 +199,15 @@ class OptimizerStep:
         return norm
 
     def metrics(self) -> dict[str, float]:
-        """optimizer_steps of this training step, and the mean / max grad norm over them."""
-        out: dict[str, float] = {"optimizer_steps": len(self.norms)}
+        """optimizer_steps of this training step, and the mean / max grad norm over them (a loss-scaled run: the
+        scale after the step, `train/loss_scale`, and its overflow skips, `train/skipped_steps`, which count as
+        steps but not in the norms)."""
+        skipped = self.scaler.skipped if self.scaler is not None else 0
+        out: dict[str, float] = {"optimizer_steps": len(self.norms) + skipped}
         if self.norms:
             out["grad_norm"] = sum(self.norms) / len(self.norms)
             out["grad_norm_max"] = max(self.norms)
+        if self.scaler is not None:
+            out["train/loss_scale"] = self.scaler.get_scale()
+            out["train/skipped_steps"] = self.scaler.skipped
         return out

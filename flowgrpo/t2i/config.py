@@ -17,6 +17,11 @@ from ..core import AdvantageConfig, LossConfig, PartSpec, StrictModel
 from ..core.advantages import ESTIMATORS
 from ..run.config import CheckpointConfig, EMAConfig, OptimConfig, RatioCheckConfig, UpdateConfig
 from .methods import METHODS, method_class
+from .monitor_config import MonitorConfig, check_monitor
+from .awm import AWMConfig
+from .sft import SFTConfig
+from .dpo import DPOConfig
+from .gardo import GardoConfig
 from pipelines.plans import PLANS, build_plan
 from pipelines.sampler import SamplerConfig
 from pipelines.speed import SpeedConfig
@@ -42,13 +47,16 @@ class ImageLoraConfig(StrictModel):
 
 
 class ImageModelConfig(StrictModel):
-    family: str = "sd3"  # sd3 | flux | sd15 | qwenimage
+    family: str = "sd3"  # sd3 | flux | sd15 | qwenimage | flux2 | zimage
     pretrained: Optional[str] = None  # a local diffusers pipeline folder or a hub id
     tiny: bool = False  # random tiny weights (tests, CPU demos)
     tiny_options: dict[str, Any] = Field(default_factory=dict)  # qk_norm, guidance_embeds, ...
     init_seed: Seed = 0  # tiny weights depend on this only, not on the run's seed
     options: dict[str, Any] = Field(default_factory=dict)  # from_pretrained kw (variant, max_sequence_length ...)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # frozen weights; step maths is always fp32
+    # frozen components in another dtype than `dtype`, by the pipeline's component name (text_encoder, vae, ...):
+    # cast after the model is built (flowgrpo.t2i.model.apply_component_dtypes); the denoiser takes `dtype`
+    component_dtypes: dict[str, Literal["float32", "bfloat16", "float16"]] = Field(default_factory=dict)
     device: str = "auto"
     finetune: Literal["lora", "full"] = "lora"
     lora: ImageLoraConfig = Field(default_factory=ImageLoraConfig)
@@ -75,6 +83,9 @@ class PromptSetConfig(StrictModel):
     eval_prompts: Optional[list[str]] = None
     eval_path: Optional[str] = None
     shuffle: bool = True
+    # .jsonl rows naming input images (editing families): how each image is brought to the sampler's height x
+    # width, as diffusers' VaeImageProcessor does: plain resize, resize + centre crop, or no change (else an error)
+    image_resize: Literal["resize", "crop", "exact"] = "resize"
 
     @model_validator(mode="after")
     def _one(self) -> "PromptSetConfig":
@@ -194,8 +205,13 @@ class T2IConfig(StrictModel):
     train: UpdateConfig = Field(default_factory=UpdateConfig)
     ema: EMAConfig = Field(default_factory=EMAConfig)
     nft: NFTConfig = Field(default_factory=NFTConfig)
+    awm: AWMConfig = Field(default_factory=AWMConfig)  # method awm (flowgrpo/t2i/awm.py)
+    sft: SFTConfig = Field(default_factory=SFTConfig)  # method sft (flowgrpo/t2i/sft.py)
+    dpo: DPOConfig = Field(default_factory=DPOConfig)  # method diffusion_dpo (flowgrpo/t2i/dpo.py)
+    gardo: GardoConfig = Field(default_factory=GardoConfig)  # methods grpo_gardo, nft_gardo (t2i/gardo.py)
     adversarial: AdversarialConfig = Field(default_factory=AdversarialConfig)
     eval: HeldOutEvalConfig = Field(default_factory=HeldOutEvalConfig)
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig)  # reward-hacking monitor (t2i/hacking_monitor.py)
     artifacts: ArtifactsConfig = Field(default_factory=ArtifactsConfig)
     ratio_check: RatioCheckConfig = Field(default_factory=RatioCheckConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
@@ -271,6 +287,8 @@ class T2IConfig(StrictModel):
             )
         if self.ema.count_idle_iterations and not self.adversarial.enabled:
             raise ValueError("ema.count_idle_iterations counts discriminator iterations: it needs adversarial.enabled")
+        if problem := check_monitor(self):
+            raise ValueError(problem)
         if self.adversarial.enabled and self.adversarial.reward not in labels:
             raise ValueError(f"adversarial.reward '{self.adversarial.reward}' is not among rewards {labels}")
         return self

@@ -10,13 +10,15 @@ import torch
 
 from reward_models.placement import resolve_device
 
+from ..config import ConfigError
 from .config import ImageModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_policy(cfg: ImageModelConfig):
-    """(adapter, trainable parameters). Frozen weights in cfg.dtype; LoRA weights in float32."""
+    """(adapter, trainable parameters). Frozen weights in cfg.dtype (cfg.component_dtypes: some components in
+    another); LoRA weights in float32."""
     from pipelines.adapters import build_adapter
     from pipelines.speed import apply_speed
 
@@ -28,6 +30,7 @@ def build_policy(cfg: ImageModelConfig):
         )
     else:
         adapter = build_adapter(cfg.family, pretrained=cfg.pretrained, dtype=dtype, device=device, **cfg.options)
+    apply_component_dtypes(adapter, cfg.component_dtypes)
     if cfg.finetune == "full":
         params = list(adapter.denoiser.parameters())
         for p in params:
@@ -40,6 +43,31 @@ def build_policy(cfg: ImageModelConfig):
         )
     apply_speed(adapter, cfg.speed)  # after LoRA: compiled blocks include the LoRA layers
     return adapter, params
+
+
+def apply_component_dtypes(adapter, dtypes: dict[str, str]) -> dict[str, torch.dtype]:
+    """Cast the named frozen components of the adapter's pipeline (`model.component_dtypes`), before LoRA is
+    attached. The published SD3.5-M runs keep the text encoders in the mixed-precision dtype and the VAE in fp32
+    whatever the transformer's dtype; prompt embeddings are cast to the denoiser's dtype after encoding and
+    latents to the VAE's before decoding (pipelines.adapters), so any mix runs. An unknown name is a one-line
+    error listing the pipeline's components; the denoiser takes `model.dtype`."""
+    modules = {k: v for k, v in adapter.pipe.components.items() if isinstance(v, torch.nn.Module)}
+    done: dict[str, torch.dtype] = {}
+    for name, dtype in dtypes.items():
+        if name == adapter.denoiser_name:
+            raise ConfigError(
+                f"model.component_dtypes: '{name}' is the denoiser, whose frozen weights take model.dtype; "
+                "list the other components only"
+            )
+        if name not in modules:
+            valid = sorted(k for k in modules if k != adapter.denoiser_name)
+            raise ConfigError(
+                f"model.component_dtypes: '{name}' is not a loaded component of the {adapter.family} pipeline; "
+                f"valid: {valid}"
+            )
+        modules[name].to(dtype=DTYPES[dtype])
+        done[name] = DTYPES[dtype]
+    return done
 
 
 class FrozenCopyReference:

@@ -27,10 +27,12 @@ from ..config import ConfigError
 from ..scaling.sharding import full_state
 from ..run.clock import seconds_since
 from ..run import CheckpointParts, OptimizerStep, PromptSampler, RunLoop, build_ema, build_optimizer
-from . import adversarial, grpo, nft  # noqa: F401  (register the methods)
-from . import artifacts
+from . import adversarial, awm, dpo, dppo, gardo_methods, grpo, nft, sft  # noqa: F401  (register the methods)
+from . import artifacts, edit_data
 from .config import T2IConfig
 from .data import PromptSet, load_prompt_set
+from .hacking_monitor import HackingMonitor
+from .objectives import reads_old_means
 from .methods import ImageContext, ScoredRollout, build_method, method_class
 from .model import build_policy, reference_context, resolution_problem_before_load, shard_policy
 from .reward_stage import RewardStage
@@ -39,7 +41,7 @@ from .reward_stage import RewardStage
 class T2ITrainer(RunLoop):
     unit = "iteration"
     resume_free = frozenset({"iterations", "stop_after", "resume", "progress", "checkpoint", "output_dir", "eval",
-                             "artifacts"})  # fmt: skip
+                             "artifacts", "monitor"})  # fmt: skip
 
     def __init__(self, config: T2IConfig):
         super().__init__(config, config.iterations)
@@ -49,10 +51,12 @@ class T2ITrainer(RunLoop):
         self.eval_every = cfg.eval.every
         if problem := resolution_problem_before_load(cfg.model, cfg.sampler.height, cfg.sampler.width):
             raise ConfigError(f"sampler.height / sampler.width: {problem}")
-        self.prompts = load_prompt_set(cfg.data.prompts, cfg.data.path)
+        sources = edit_data.ImageSpec(cfg.sampler.height, cfg.sampler.width, cfg.data.image_resize)  # edit rows
+        self.prompts = load_prompt_set(cfg.data.prompts, cfg.data.path, images=sources)
         self.eval_prompts = load_prompt_set(
-            cfg.data.eval_prompts, cfg.data.eval_path, "data (eval)"
+            cfg.data.eval_prompts, cfg.data.eval_path, "data (eval)", sources
         ) or self.prompts.take(list(range(min(4, len(self.prompts)))))
+        edit_data.check_family([*self.prompts.prompts, *self.eval_prompts.prompts], cfg.model.family)
         try:
             self.rewards = RewardStage(cfg.rewards, cfg.reward_workers)
         except (ValueError, KeyError) as err:
@@ -66,7 +70,7 @@ class T2ITrainer(RunLoop):
         except ValueError as err:
             raise ConfigError(f"sampler.height / sampler.width: {err}") from None
         method_class(cfg.method).prepare_model(self.adapter, cfg)
-        self.sampler = Sampler(cfg.sampler.model_copy(update={"keep_means": cfg.loss.ratio.name == "ratio_norm"}))
+        self.sampler = Sampler(cfg.sampler.model_copy(update={"keep_means": reads_old_means(cfg.loss)}))
         self.reference = reference_context(self.adapter, cfg.model, method_class(cfg.method).needs_reference(cfg))
         if self.dist.sharded:
             self.params = shard_policy(self.adapter, self.reference, self.dist)
@@ -76,7 +80,7 @@ class T2ITrainer(RunLoop):
         self.ema = build_ema(self.params, cfg.ema)
         self.optimizer_step = OptimizerStep(
             self.params, self.optimizer, cfg.optim.max_grad_norm, self.dist, self.ema, guard=self.guard,
-            module=self.adapter.denoiser,
+            module=self.adapter.denoiser, loss_scale=cfg.optim.loss_scale,
         )  # fmt: skip
         self.method = build_method(
             ImageContext(
@@ -87,6 +91,7 @@ class T2ITrainer(RunLoop):
         )  # fmt: skip
         self.prompt_sampler = PromptSampler(len(self.prompts), cfg.seed, cfg.data.shuffle)
         self.trackers: artifacts.Trackers | None = None  # rank 0 opens them with its first record
+        self.monitor = HackingMonitor(cfg, self)  # reward-hacking monitor: gold scorers, image statistics, alarm
         if cfg.resume:
             self.resume()
 
@@ -104,6 +109,7 @@ class T2ITrainer(RunLoop):
             parts.state["ema_optimization_step"] = self.ema.model.optimization_step
             parts.state["ema_clock"] = self.ema.clock
         self.method.checkpoint_parts(parts)
+        parts.state["monitor"] = self.monitor.state_dict()
         return parts
 
     def restore(self, ckpt: Checkpoint) -> None:
@@ -115,6 +121,7 @@ class T2ITrainer(RunLoop):
             self.ema.model.optimization_step = ckpt.state["ema_optimization_step"]
             self.ema.clock = ckpt.state.get("ema_clock", ckpt.state["optimizer_steps"])
         self.method.restore(ckpt)
+        self.monitor.load_state_dict(ckpt.state.get("monitor"))
         self.prompt_sampler.load_state_dict(ckpt.state["prompts"])
         self.optimizer_step.total = ckpt.state["optimizer_steps"]
 
@@ -210,6 +217,7 @@ class T2ITrainer(RunLoop):
         from pipelines.plans import build_plan
 
         cfg = self.cfg
+        self.monitor.baseline()  # once, before the first update
         nfe0 = self.sampler.counters.as_dict()
         batch_prompts = self.prompts.take(self.prompt_sampler.next(cfg.prompts_per_iteration))
         plan = build_plan(cfg.plan.name, cfg.sampler.num_steps, self.iteration, cfg.seed, **cfg.plan.settings)
@@ -241,7 +249,9 @@ class T2ITrainer(RunLoop):
                 self.out / "grids" / f"rollout_{self.iteration + 1:06d}.png",
                 cfg.group_size // cfg.rollout_split,
                 cfg.artifacts.grid_images,
+                prompts=rollout.prompts,  # edit prompts: source | edits
             )
+        self.monitor.step(record, self.iteration + 1)
 
     def _grid_due(self) -> bool:
         every = self.cfg.artifacts.grid_every
@@ -288,7 +298,8 @@ class T2ITrainer(RunLoop):
                     float(v[torch.isfinite(v)].mean()) if bool(torch.isfinite(v).any()) else math.nan
                 )
         if self.dist.is_main:
-            artifacts.save_grid(images, self.out / "grids" / f"eval_{tag}.png", n, 64)
+            grid = self.out / "grids" / f"eval_{tag}.png"
+            artifacts.save_grid(images, grid, n, 64, prompts=self.eval_prompts.prompts)  # edits: source | edit
         return out
 
     def _ema_weights(self, wanted: bool = True) -> Any:
@@ -337,7 +348,10 @@ class T2ITrainer(RunLoop):
             out["kl_ref"] = f"{record['kl/ref_mean']:.1e}"
         if "approx_kl" in record:  # only where measured (NFT and discriminator iterations have none)
             out["kl_old"] = f"{record['approx_kl']:.1e}"
-        return out
+        return {**out, **self.monitor.postfix()}
+
+    def stop_reason(self) -> str | None:
+        return self.monitor.stop_reason()
 
     def finish(self, final_eval: dict[str, float]) -> None:
         (self.out / "eval_final.json").write_text(artifacts.to_json(final_eval))
@@ -363,6 +377,7 @@ class T2ITrainer(RunLoop):
 
     def close(self) -> None:
         self.rewards.close()
+        self.monitor.close()
         if self.trackers is not None:
             self.trackers.close()
 

@@ -37,6 +37,14 @@ SD35M = {
     "model.finetune": "lora",
     "model.dtype": "float32",  # transformer.to(device) without a dtype (docs/recipes.md, precision)
     "model.speed.autocast": "float16",  # accelerate mixed_precision fp16 wraps the prepared forward
+    # pipeline.text_encoder*.to(device, dtype=inference_dtype), pipeline.vae.to(device, dtype=torch.float32)
+    "model.component_dtypes.text_encoder": "float16",
+    "model.component_dtypes.text_encoder_2": "float16",
+    "model.component_dtypes.text_encoder_3": "float16",
+    "model.component_dtypes.vae": "float32",
+    "optim.loss_scale.mode": "dynamic",  # accelerate's native AMP under fp16: torch's GradScaler, its defaults
+    "optim.loss_scale.init_scale": 65536.0,
+    "optim.loss_scale.growth_interval": 2000,
     "model.options.max_sequence_length": 128,  # compute_text_embeddings(..., max_sequence_length=128)
     "seed": 42,
     "model.lora.rank": 32,
@@ -274,6 +282,8 @@ PINS: dict[str, dict[str, Any]] = {
         "data.path": "prompts/pickscore_sfw_train.txt",
         "model.dtype": "float16",  # DeepSpeed ZeRO-2 fp16 engine: module.half(), no autocast
         "model.speed.autocast": None,
+        "optim.loss_scale.growth_interval": 1000,  # DeepSpeed's dynamic loss scale: loss_scale_window 1000
+        "optim.loss_scale.min_scale": 1.0,  # min_loss_scale 1
         "sampler.sde_kernel.name": "cps",
         "sampler.sde_kernel.a": 0.7,
         "plan.name": "probes",
@@ -303,11 +313,32 @@ PINS: dict[str, dict[str, Any]] = {
         "loss.kl.estimator": "flow_grpo",
         "loss.kl.coef": 0.01,
     },  # GUESS
+    # GARDO over Flow-GRPO (tinnerhrhe/GARDO @ 1cc77fb config/gardo.py:general_ocr_sd3; docs/recipes.md "GARDO")
+    "gardo": {
+        **SD35M,
+        "method": "grpo_gardo",
+        "plan.name": "full_sde",
+        "plan.train_fraction": 0.89,
+        "loss.bounds.eps": 1e-4,
+        "loss.kl.coef": 0.0,
+        "gardo.main_reward": "ocr",
+        "gardo.uncertainty_rewards": ["aesthetic", "imagereward"],
+        "gardo.kl_coef": 0.04,
+        "gardo.kl_threshold": 3e-4,
+        "gardo.reset_every": 15,
+        "gardo.adv_clip_max": 5.0,
+        "gardo.diversity.features": "timm",
+        "gardo.diversity.model": "vit_large_patch16_dinov3.lvd1689m",
+    },
     "adv_grpo": {
         **SD35M,
         **GLOBAL_STD,
         "model.dtype": "bfloat16",  # DeepSpeed ZeRO-2 bf16 engine: module.bfloat16(), no autocast
         "model.speed.autocast": None,
+        "model.component_dtypes.text_encoder": "bfloat16",  # inference_dtype = bf16
+        "model.component_dtypes.text_encoder_2": "bfloat16",
+        "model.component_dtypes.text_encoder_3": "bfloat16",
+        "optim.loss_scale.mode": "none",  # bf16: no loss scale
         "sampler.sde_kernel.a": 0.8,
         "sampler.share_noise": True,
         "sampler.share_noise_size": 8,
@@ -323,6 +354,7 @@ PINS: dict[str, dict[str, Any]] = {
         "rewards.0.name": "dino_discriminator",
         "rewards.0.model": "facebook/dinov2-base",
         "rewards.0.dtype": "bfloat16",  # scorer.to(torch.bfloat16)
+        "rewards.0.head_dtype": "bfloat16",  # head.to(torch.bfloat16) before optimizer_D = Adam(head.parameters())
         "rewards.0.normalize_tokens": True,  # dino_patch_cotrain_score: x / (||x|| + 1e-6) before the head
         "rewards.1.name": "pickscore",
         "rewards.1.preprocess": "pil",

@@ -49,6 +49,9 @@ LAUNCHES = {
     "flow_grpo_fast": Launch(32, 9, int(48 / (32 * 9 / 24)), (24 // 9) * 9, 2, 2, "amp", "fp16"),
     "grpo_guard": FLOW_GRPO,  # no code: Flow-GRPO's PickScore run (GUESS for the launch)
     "vgpo": FLOW_GRPO,  # no code: Flow-GRPO's PickScore run (GUESS for the launch)
+    # GARDO's scripts/single_node/grpo_gardo_sd3.sh: not audited for world size (GUESS: Flow-GRPO's launch; its
+    # config's 48 prompts x 24 and 2 optimizer steps per epoch are what the recipe pins)
+    "gardo": FLOW_GRPO,
     # config/dgx.py:pickscore_sd3_pr ("8*A800"): 1 spine per batch, 4 batches, 4 spines per prompt
     "tempflow_grpo": Launch(8, 1, 4, 4, 2, 2, "amp", "fp16"),
     # scripts/multi_node/common_op3.sh (NUM_PROCESSES 32, deepspeed_zero2.yaml); my_grpo.py:pickscore_sd3_fast_op3
@@ -101,6 +104,23 @@ def test_precision_follows_from_the_launch(recipe):
 
 
 @pytest.mark.parametrize("recipe", sorted(LAUNCHES))
+def test_frozen_parts_and_loss_scale_follow_from_the_launch(recipe):
+    """Every script casts the text encoders to `inference_dtype` (the mixed-precision dtype) and the VAE to fp32,
+    whatever wraps the transformer; an fp16 launch scales the loss (native AMP / DiffusionNFT: torch's GradScaler,
+    growth every 2000 finite steps; DeepSpeed's fp16 engine: its dynamic scale, loss_scale_window 1000), a bf16 one
+    does not."""
+    launch, cfg = LAUNCHES[recipe], _cfg(recipe)
+    mixed = DTYPE[launch.mixed_precision]
+    encoders = {"text_encoder": mixed, "text_encoder_2": mixed, "text_encoder_3": mixed}
+    assert cfg.model.component_dtypes == {**encoders, "vae": "float32"}
+    scale = cfg.optim.loss_scale
+    assert scale.enabled == (launch.mixed_precision == "fp16")
+    if scale.enabled:
+        assert (scale.init_scale, scale.min_scale) == (2.0**16, 1.0)  # GradScaler's init; DeepSpeed's 2^16, min 1
+        assert scale.growth_interval == (2000 if launch.wrap == "amp" else 1000)
+
+
+@pytest.mark.parametrize("recipe", sorted(LAUNCHES))
 def test_prompt_encoding_seed_and_judges(recipe):
     cfg = _cfg(recipe)
     assert cfg.model.options == {"max_sequence_length": 128}  # every script: compute_text_embeddings(..., 128)
@@ -111,6 +131,7 @@ def test_prompt_encoding_seed_and_judges(recipe):
     if recipe == "adv_grpo":
         dino = cfg.rewards[0]
         assert dino.name == "dino_discriminator" and dino.settings["dtype"] == "bfloat16"
+        assert dino.settings["head_dtype"] == "bfloat16"  # head.to(torch.bfloat16) before its Adam
 
 
 def test_the_recipe_settings_reach_the_adapter():

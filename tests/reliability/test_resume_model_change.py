@@ -61,3 +61,23 @@ def test_t2i_resume_with_another_recipe_is_refused(tmp_path):
                    cwd=tmp_path)  # fmt: skip
     _refused(done, "method: 'grpo' in the checkpoint, 'nft' now")
     assert Path(out / "checkpoints" / "step_00000001").is_dir()
+
+
+def test_a_setting_added_since_the_checkpoint_is_no_change_at_its_default():
+    """A checkpoint written before a setting existed resumes while the setting keeps its default; set to another
+    value, the resume is refused naming it (the checkpoint ran without it)."""
+    from flowgrpo.checkpoint import check_resume_config
+    from flowgrpo.config import ConfigError
+
+    saved = {"optim": {"lr": 0.1}, "rewards": [{"name": "a"}]}
+    defaults = {"optim": {"lr": 0.5, "loss_scale": {"name": "none"}}, "monitor": {"enabled": True}}
+    now = {
+        "optim": {"lr": 0.1, "loss_scale": {"name": "none"}},
+        "rewards": [{"name": "a"}],
+        "monitor": {"enabled": True},
+    }
+    check_resume_config(now, saved, set(), defaults)  # both added keys at their defaults
+    with pytest.raises(ConfigError, match=r"optim.loss_scale: \(unset\) in the checkpoint, \{'name': 'dynamic'\} now"):
+        check_resume_config({**now, "optim": {"lr": 0.1, "loss_scale": {"name": "dynamic"}}}, saved, set(), defaults)
+    with pytest.raises(ConfigError, match="monitor"):  # without the defaults every added key is a change
+        check_resume_config(now, saved, set())
