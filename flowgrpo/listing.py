@@ -55,6 +55,9 @@ SECTIONS: tuple[Section, ...] = (
     Section("regularizers", "regularizers", "flowgrpo.core.regularizers", "REGULARIZERS"),
     Section("presets", "loss presets (the parts each sets)", "flowgrpo.core.losses", "PRESETS"),
     Section("recipes", "paper recipes (advantage + loss; text `recipe:`)", "flowgrpo.core.recipes", "RECIPES"),
+    Section(
+        "prompt_samplers", "prompt samplers (text `prompt_sampling:`)", "flowgrpo.core.prompt_state", "PROMPT_SAMPLERS"
+    ),
     Section("kernels", "transition kernels", "pipelines.steps", "KERNELS"),
     Section("plans", "rollout plans", "pipelines.plans", "PLANS"),
     Section("sigma_grids", "sigma grids", "pipelines.schedules", "SIGMA_GRIDS"),

@@ -26,6 +26,7 @@ KNOWN = {
     "regularizers": ["opmd", "asymre"],
     "presets": ["dapo", "flow_grpo"],
     "recipes": ["rec_one_side_nois", "canon"],
+    "prompt_samplers": ["spo", "replay"],
     "kernels": ["flow_sde", "ode"],
     "plans": ["tree", "full_sde"],
     "sigma_grids": ["time_shift"],

@@ -17,6 +17,8 @@ from .registry import Registry
 from .regularizers import REGULARIZERS
 from .transforms import TRANSFORMS
 from .conditional import SCHEDULES  # registers CANON and Stratified GRPO
+from .prompt_state import PROMPT_SAMPLERS
+from . import spo as _spo  # noqa: F401  (registers SPO and ACE)
 
 
 @dataclass(frozen=True)
@@ -314,3 +316,9 @@ bound_settings(
 bound_settings(ESTIMATORS, "stratified_grpo", alpha=PROBABILITY, eps=EPS)
 bound_settings(REGULARIZERS, "opmd", coef=NON_NEGATIVE)
 bound_settings(REGULARIZERS, "asymre", coef=NON_NEGATIVE)
+bound_settings(
+    ESTIMATORS, "spo", rho=between(0, 1, low_open=True), prior_value=PROBABILITY, prior_count=POSITIVE, eps=EPS
+)
+bound_settings(TRANSFORMS, "ace", alpha=NON_NEGATIVE)
+bound_settings(PROMPT_SAMPLERS, "spo", floor=NON_NEGATIVE)
+bound_settings(PROMPT_SAMPLERS, "replay", fraction=PROBABILITY, cooldown=count(0), max_reuse=count(1))

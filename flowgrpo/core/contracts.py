@@ -9,10 +9,13 @@ gets advantage 0; the count is reported in the metrics.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Sequence, TypeVar
+from typing import TYPE_CHECKING, Literal, Optional, Sequence, TypeVar
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from .prompt_state import PromptTable
 
 T = TypeVar("T")
 
@@ -102,6 +105,9 @@ class GroupBatch:
     lengths:        [P, G] action counts (tokens or steps), for length-aware statistics.
     entropy:        [P, G] mean per-action entropy of each sample (CANON's entropy split).
     step:           the training step, counted from 1 (scheduled estimators: CANON's annealed weights).
+    prompt_ids:     [P] long, each group's dataset row (stateful parts: the SPO tracker, prompt samplers).
+    prompt_state:   the run's per-prompt state (flowgrpo.core.prompt_state.PromptTable), updated in place.
+    confidence:     [P, G] sequence log-prob of each sample under the policy minus under the reference (ACE).
     head_nan_policy: how a NaN head enters the weighted sum (see `scalar_rewards`).
     """
 
@@ -116,6 +122,9 @@ class GroupBatch:
     lengths: Optional[Tensor] = None
     entropy: Optional[Tensor] = None
     step: Optional[int] = None
+    prompt_ids: Optional[Tensor] = None
+    prompt_state: Optional["PromptTable"] = None
+    confidence: Optional[Tensor] = None
     head_nan_policy: Literal["propagate", "ignore_head"] = "propagate"
 
     def __post_init__(self) -> None:
@@ -161,6 +170,10 @@ class GroupBatch:
             _check_shape(self.lengths, "lengths", [P, G])
         if self.entropy is not None:
             _check_shape(self.entropy, "entropy", [P, G])
+        if self.prompt_ids is not None:
+            _check_shape(self.prompt_ids, "prompt_ids", [P])
+        if self.confidence is not None:
+            _check_shape(self.confidence, "confidence", [P, G])
         if self.tree is not None:
             self.tree.validate(P, G)
 

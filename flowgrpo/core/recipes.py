@@ -1,7 +1,7 @@
-"""Whole recipes: a paper's advantage estimator (with its transforms) and its loss, under one name.
+"""Whole recipes: a paper's advantage estimator (with its transforms), its loss and its prompt sampler, under one name.
 
 `recipe: NAME` in a text config (flowgrpo.text.config) replaces the config's `advantage.estimator`,
-`advantage.transforms` and `loss` with these; key=value overrides still apply on top. `flowgrpo list recipes`
+`advantage.transforms`, `loss` and `prompt_sampling` (uniform unless the recipe names one) with these; key=value overrides still apply on top. `flowgrpo list recipes`
 prints them; docs/text_trainer.md names each one's source.
 """
 
@@ -12,8 +12,13 @@ from typing import Any
 from .offpolicy import REC_PRESETS
 
 
-def _recipe(estimator: dict[str, Any], loss: dict[str, Any], transforms: tuple[Any, ...] = ()) -> dict[str, Any]:
-    return {"advantage": {"estimator": estimator, "transforms": list(transforms)}, "loss": loss}
+def _recipe(
+    estimator: dict[str, Any], loss: dict[str, Any], transforms: tuple[Any, ...] = (), sampling: Any = None
+) -> dict[str, Any]:
+    recipe = {"advantage": {"estimator": estimator, "transforms": list(transforms)}, "loss": loss}
+    if sampling is not None:
+        recipe["prompt_sampling"] = sampling
+    return recipe
 
 
 _REC = {"name": "rec", "std_normalize": False}
@@ -41,4 +46,14 @@ RECIPES: dict[str, dict[str, Any]] = {
         {"name": "stratified_grpo", "stratum_head": "stratum", "alpha": 1.0},
         {"bounds": {"name": "symmetric", "eps": 0.2}, "aggregation": "token_mean"},
     ),
+    # SPO (arXiv 2509.13232; spo.py): the Beta value tracker, batch-whitened advantages, prioritised prompts; PPO's
+    # clip 0.2 with a token mean (the verl defaults the recipe runs on)
+    "spo": _recipe(
+        {"name": "spo"}, {"bounds": {"name": "symmetric", "eps": 0.2}, "aggregation": "token_mean"}, sampling="spo"
+    ),
+    # Prompt Replay (prompt_state.py; abstract only): GRPO with half of each batch re-served from the buffer
+    "prompt_replay": _recipe({"name": "grpo"}, {"preset": "dapo"}, sampling={"name": "replay", "fraction": 0.5}),
+    # ACE (arXiv 2602.21420; spo.py): GRPO whose negative advantages grow with the policy's confidence over the
+    # reference (alpha 1: ours, unverified), on the GRPO loss without KL
+    "ace": _recipe({"name": "grpo"}, {"preset": "grpo"}, transforms=({"name": "ace", "alpha": 1.0},)),
 }

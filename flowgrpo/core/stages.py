@@ -41,12 +41,17 @@ def compute_advantages(batch: GroupBatch, config: AdvantageConfig | None = None)
     if batch.head_nan_policy != config.head_nan_policy:
         batch = replace(batch, head_nan_policy=config.head_nan_policy)
     entry = ESTIMATORS.get(config.estimator.name)
-    for need in entry.requires:
-        if getattr(batch, need) is None:
-            raise ValueError(f"advantage estimator '{entry.name}' needs GroupBatch.{need}, which is missing")
+    transforms = [(TRANSFORMS.get(spec.name), spec.settings) for spec in config.transforms]
+    for part, slot in [(entry, "advantage estimator"), *((t, "advantage transform") for t, _ in transforms)]:
+        for need in part.requires:
+            if getattr(batch, need) is None:
+                raise ValueError(f"{slot} '{part.name}' needs GroupBatch.{need}, which is missing")
     result: AdvantageResult = entry.fn(batch, **config.estimator.settings)
-    for spec in config.transforms:
-        result = TRANSFORMS.get(spec.name).fn(result, batch, **spec.settings)
+    for transform, settings in transforms:
+        result = transform.fn(result, batch, **settings)
+    if batch.prompt_state is not None and batch.prompt_ids is not None:  # the prompt samplers' statistics
+        r = batch.scalar_rewards()
+        batch.prompt_state.observe(batch.prompt_ids, r, batch.usable(r), batch.step or 0)
     result.metrics.update(reward_metrics(batch))
     result.metrics.update(advantage_metrics(result))
     return result

@@ -16,12 +16,13 @@ from pydantic import Field, field_validator, model_validator
 from ..config import SettingError, load_config, move_renamed_keys, output_dir_problem, read_yaml_config
 from ..core import RECIPES, AdvantageConfig, LossConfig, PartSpec, StrictModel
 from ..core.advantages import ESTIMATORS
+from ..core.prompt_state import PROMPT_SAMPLERS, STATEFUL_ESTIMATORS
 from ..guards import GuardConfig
 from ..run.config import CheckpointConfig, OptimConfig, RatioCheckConfig, UpdateConfig
 from .methods import METHODS
 
 # estimators whose advantage needs no other sample of the group
-GROUPLESS_ESTIMATORS = {"psr", "nsr", "w_reinforce"}
+GROUPLESS_ESTIMATORS = {"psr", "nsr", "w_reinforce", "spo"}
 
 # Keys renamed to the image trainer's names (old dotted key -> new): the old ones still load, with a FutureWarning.
 RENAMED_KEYS: dict[str, str] = {
@@ -115,6 +116,9 @@ class TextDataConfig(StrictModel):
     system_prompt: Optional[str] = None  # prepended as a system message when the template is applied
     shuffle: bool = True  # a new permutation each epoch (seeded)
     max_rows: Optional[int] = Field(None, ge=1)
+    # a column with each prompt's offline success rate in [0, 1] (empty: unknown): SPO's value tracker starts there
+    # (alpha = prior_count p, beta = prior_count (1 - p)) and its prompt sampler ranks unseen prompts by it
+    value_column: Optional[str] = None
 
     @model_validator(mode="after")
     def _one_source(self) -> "TextDataConfig":
@@ -260,7 +264,7 @@ class TextConfig(StrictModel):
     stop_after: Optional[int] = Field(None, ge=0)
     method: str = "grpo"  # a registered text method (flowgrpo.text.methods.METHODS)
     # a paper's whole recipe (flowgrpo.core.recipes.RECIPES): load_text_config puts its advantage estimator,
-    # transforms and loss in place of the file's; key=value overrides apply on top
+    # transforms, loss and prompt_sampling in place of the file's; key=value overrides apply on top
     recipe: Optional[str] = None
     model: TextModelConfig = Field(default_factory=TextModelConfig)
     data: TextDataConfig = Field(default_factory=lambda: TextDataConfig(task=TaskConfig(name="pattern")))
@@ -273,6 +277,9 @@ class TextConfig(StrictModel):
     rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(name="target_pattern")])
     stop_on_reward_error: bool = False
     advantage: AdvantageConfig = Field(default_factory=lambda: AdvantageConfig(**DEFAULTS["advantage"]))
+    # which prompts each step draws (flowgrpo.core.prompt_state.PROMPT_SAMPLERS): uniform (the seeded epoch
+    # permutation), spo (SPO's priorities from its value tracker), replay (Prompt Replay)
+    prompt_sampling: PartSpec = Field(default_factory=lambda: PartSpec(name="uniform"))
     loss: LossConfig = Field(default_factory=lambda: LossConfig(**DEFAULTS["loss"]))
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TextUpdateConfig = Field(default_factory=TextUpdateConfig)
@@ -298,6 +305,11 @@ class TextConfig(StrictModel):
             raise ValueError(f"unknown recipe '{name}'; valid recipes: {sorted(RECIPES)}")
         return name
 
+    @field_validator("prompt_sampling")
+    @classmethod
+    def _known_sampler(cls, spec: PartSpec) -> PartSpec:
+        return spec.check(PROMPT_SAMPLERS, "prompt_sampling")
+
     @field_validator("method")
     @classmethod
     def _registered_method(cls, name: str) -> str:
@@ -322,6 +334,10 @@ class TextConfig(StrictModel):
                 f"group_size 1: estimator '{est}' compares the samples of a group, so "
                 f"one sample has advantage 0 and nothing is learnt; use >= 2 (or one of "
                 f"{sorted(GROUPLESS_ESTIMATORS)})"
+            )
+        if self.data.value_column is not None and est not in STATEFUL_ESTIMATORS:
+            raise ValueError(
+                f"data.value_column: read by the estimators {sorted(STATEFUL_ESTIMATORS)} only, not '{est}'"
             )
         if self.group_size % self.rollout_split:
             raise ValueError(
@@ -380,12 +396,13 @@ def recipe_overrides(path: Optional[str | Path], overrides: Iterable[str]) -> li
         f"advantage.estimator={json.dumps(recipe['advantage']['estimator'])}",
         f"advantage.transforms={json.dumps(recipe['advantage']['transforms'])}",
         f"loss={json.dumps(recipe['loss'])}",
+        f"prompt_sampling={json.dumps(recipe.get('prompt_sampling', 'uniform'))}",
     ]
 
 
 def load_text_config(path: Optional[str | Path] = None, overrides: Iterable[str] = ()) -> TextConfig:
     """YAML file + key=value overrides over the embedded defaults; a `recipe` replaces the advantage estimator,
-    transforms and loss of the defaults and the file, before the overrides."""
+    transforms, loss and prompt sampler of the defaults and the file, before the overrides."""
     overrides = list(overrides)
     overrides = [*recipe_overrides(path, overrides), *overrides]
     return load_config(TextConfig, path, overrides, defaults=DEFAULTS, renamed=RENAMED_KEYS)

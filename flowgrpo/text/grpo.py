@@ -71,7 +71,7 @@ class TextGRPOMethod(Method):
     def __init__(self, ctx: TextContext) -> None:
         super().__init__(ctx)
         cfg = ctx.cfg
-        self.use_kl = self.needs_reference(cfg)
+        self.use_kl = bool(cfg.loss.kl.coef != 0)
         # Off with gradient checkpointing (the config refuses shared_prompt true with it), and in sharded or ZeRO-3
         # runs: the shared-prompt path runs one or two forwards depending on the rows, and every rank there must
         # run the same number, so those take the plain forward (one per micro-batch)
@@ -81,7 +81,7 @@ class TextGRPOMethod(Method):
 
     @staticmethod
     def needs_reference(cfg: Any) -> bool:
-        return bool(cfg.loss.kl.coef != 0)
+        return bool(cfg.loss.kl.coef != 0) or reads_confidence(cfg)
 
     def update(self, rollout: ScoredBatch, record: dict[str, Any]) -> None:
         # rows (sequences) through the model without / with gradient, and backward calls: the image side's names
@@ -102,13 +102,25 @@ class TextGRPOMethod(Method):
             self._decide_shared_prompt(rollout, record, counts)
         shared = bool(self.shared_prompt)
         groups = replace(group_batch(cfg, ctx.rewards, batch.scores.values, rollout), step=ctx.iteration + 1)
-        old = None
+        if ctx.prompt_state is not None:  # the stateful parts: each group's dataset row and the run's prompt table
+            ids = rollout.prompt_index.view(groups.num_groups, groups.group_size)[:, 0]
+            groups = replace(groups, prompt_ids=ids, prompt_state=ctx.prompt_state)
+        old = logp_ref = None
         if reads_entropy(cfg.advantage.estimator.name, cfg.advantage.estimator.settings):
             # CANON splits groups by mean token entropy: score the rollout first (the old pass, reused below)
             old = self._all_logprobs(ctx.model, rollout, shared, counts, with_entropy=True)
             ent, cm = given(old.entropy, "entropy"), rollout.completion_mask
             per_sample = (ent * cm).sum(1) / cm.sum(1).clamp_min(1)
             groups = replace(groups, entropy=per_sample.view(groups.num_groups, groups.group_size))
+        if reads_confidence(cfg):
+            # ACE: each completion's sequence log-prob under the policy minus under the reference, before the
+            # advantages (both passes are reused below)
+            if old is None:
+                old = self._all_logprobs(ctx.model, rollout, shared, counts, with_entropy=True)
+            logp_ref = self._reference_logprobs(rollout, shared, counts)
+            cm = rollout.completion_mask
+            conf = ((old.logp - logp_ref) * cm).sum(1)
+            groups = replace(groups, confidence=conf.view(groups.num_groups, groups.group_size))
         adv = compute_advantages(groups, cfg.advantage)
         if adv.level != "sample":
             raise ValueError(
@@ -126,17 +138,15 @@ class TextGRPOMethod(Method):
         # the order of every pass, fixed up front: the on-policy check needs the first rows trained on
         orders = [pass_order(N, cfg.seed, ctx.iteration, it, cfg.train.shuffle) for it in range(cfg.train.inner_epochs)]
 
-        logp_old = entropy = logp_ref = check_logp = None
+        logp_old = entropy = check_logp = None
         check = cfg.ratio_check.enabled
         corrected = rollout.rollout_logp is not None
         if old is not None or self._needs_old_logp() or corrected or (check and cfg.ratio_check.rows is None):
             if old is None:
                 old = self._all_logprobs(ctx.model, rollout, shared, counts, with_entropy=True)
             logp_old, entropy = old.logp, old.entropy
-        if self.use_kl:
-            assert ctx.reference is not None
-            with ctx.reference() as ref_model:
-                logp_ref = self._all_logprobs(ref_model, rollout, shared, counts).logp
+        if self.use_kl and logp_ref is None:
+            logp_ref = self._reference_logprobs(rollout, shared, counts)
         if corrected:
             # the sampler's log-probs against the training forward's, and the importance weights
             record.update(mismatch_metrics(logp_old, rollout.rollout_logp, mask))
@@ -172,7 +182,7 @@ class TextGRPOMethod(Method):
             advantages=advantages.to(dev),
             mask=mask.to(dev),
             sample_weight=sample_weight.to(dev),
-            logp_ref=None if logp_ref is None else logp_ref.to(dev),
+            logp_ref=None if logp_ref is None or not self.use_kl else logp_ref.to(dev),
         )
         if entropy is not None:
             record["entropy/mean"] = float(entropy[mask].mean()) if bool(mask.any()) else math.nan
@@ -286,6 +296,12 @@ class TextGRPOMethod(Method):
             bound,
         )
 
+    def _reference_logprobs(self, rollout: Rollout, shared: bool, counts: dict[str, int]) -> torch.Tensor:
+        ref = self.ctx.reference
+        assert ref is not None
+        with ref() as ref_model:
+            return self._all_logprobs(ref_model, rollout, shared, counts).logp
+
     def _needs_old_logp(self) -> bool:
         """The loss needs the rollout policy's log-probs: several optimizer steps per generation batch."""
         t = self.ctx.cfg.train
@@ -347,6 +363,11 @@ class TextGRPOMethod(Method):
         diff = logp[sel.to(logp.device)] - batch.check_logp[at[sel]].to(logp.device)
         dev = float((diff[ms].exp() - 1).abs().max()) if bool(ms.any()) else 0.0
         return dev, int(sel.sum())
+
+
+def reads_confidence(cfg: Any) -> bool:
+    """ACE's transform reads each completion's policy-minus-reference sequence log-prob (GroupBatch.confidence)."""
+    return any(t.name == "ace" for t in cfg.advantage.transforms)
 
 
 def _completion_metrics(rollout: Rollout) -> dict[str, float]:

@@ -22,6 +22,7 @@ class TextContext(MethodContext):
     model: Any = None  # the policy (transformers / peft model)
     rewards: Any = None  # the configured reward functions (flowgrpo.text.reward_functions), in config order
     device: Any = None  # where the policy's forward runs
+    prompt_state: Any = None  # the run's per-prompt state (flowgrpo.core.prompt_state.PromptTable), if a part reads it
 
 
 def build_method(ctx: TextContext) -> Any:

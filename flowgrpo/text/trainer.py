@@ -19,8 +19,11 @@ import math
 from dataclasses import replace
 from typing import Any, Callable, Mapping, Optional
 
+import torch
+
 
 from ..checkpoint import Checkpoint, load_into
+from ..core.prompt_state import build_prompt_state, prompt_policy
 from ..config import ConfigError
 from ..metrics import TIME_KEY
 from ..scaling.sharding import ShardingError, enable_activation_checkpointing, full_state
@@ -89,6 +92,12 @@ class TextGRPOTrainer(RunLoop):
         )
         self.generator = self._build_generator()
         self.sampler = PromptSampler(len(self.data), cfg.seed, cfg.data.shuffle)
+        # per-prompt state across steps (SPO's tracker, Prompt Replay's buffer): None unless a part reads it
+        sampling = cfg.prompt_sampling
+        self.prompt_state = build_prompt_state(
+            len(self.data), cfg.advantage.estimator.name, sampling.name, self._prompt_prior()
+        )
+        self.sampler.policy = prompt_policy(self.prompt_state, sampling.name, sampling.settings, cfg.seed)
         self.collector = Collector(
             cfg, self.generator, self.tokenizer, self.data, self.rewards, self.sampler, self.dist
         )
@@ -96,17 +105,34 @@ class TextGRPOTrainer(RunLoop):
         built = build_optimizer(self.params, cfg.optim, cfg.iterations, fused=True)
         self.optimizer, self.scheduler = built.optimizer, built.scheduler
         self.optimizer_step = OptimizerStep(
-            self.params, self.optimizer, cfg.optim.max_grad_norm, self.dist, guard=self.guard, module=self.model
-        )
+            self.params, self.optimizer, cfg.optim.max_grad_norm, self.dist, guard=self.guard, module=self.model,
+            loss_scale=cfg.optim.loss_scale,
+        )  # fmt: skip
         self.method = build_method(
             TextContext(
                 cfg=cfg, dist=self.dist, optimizer_step=self.optimizer_step, params=self.params,
                 reference=self.reference, completed=lambda: self.iteration, model=self.model, rewards=self.rewards,
-                device=self.device,
+                device=self.device, prompt_state=self.prompt_state,
             )
         )  # fmt: skip
         if cfg.resume:
             self.resume()
+
+    def _prompt_prior(self) -> Optional[torch.Tensor]:
+        """`data.value_column`: each row's offline success rate (NaN where the column is empty), or None."""
+        column = self.cfg.data.value_column
+        if column is None:
+            return None
+        values = [row.get(column) for row in self.data.rows]
+        try:
+            prior = torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float64)
+        except (TypeError, ValueError):
+            raise ConfigError(f"data.value_column: the column '{column}' must hold numbers in [0, 1]") from None
+        if bool(((prior < 0) | (prior > 1)).any()):
+            raise ConfigError(f"data.value_column: the column '{column}' must hold numbers in [0, 1]")
+        if bool(torch.isnan(prior).all()):
+            raise ConfigError(f"data.value_column: no row has a value in the column '{column}'")
+        return prior
 
     def _build_generator(self) -> Any:
         gen = self.cfg.generation
@@ -132,12 +158,21 @@ class TextGRPOTrainer(RunLoop):
     # --- checkpoints, the end of the run -----------------------------------------------------
 
     def checkpoint_parts(self) -> CheckpointParts:
-        return CheckpointParts(tensors={"model": trainable_state(self.model)}, optimizers={"policy": self.optimizer_step.checkpointed},
-                               state={"sampler": self.sampler.state_dict()})  # fmt: skip
+        parts = CheckpointParts(tensors={"model": trainable_state(self.model)}, optimizers={"policy": self.optimizer_step.checkpointed},
+                                state={"sampler": self.sampler.state_dict()})  # fmt: skip
+        if self.prompt_state is not None:  # float64 tensors: restored exactly
+            parts.tensors["prompt_state"] = self.prompt_state.state_dict()
+        return parts
 
     def restore(self, ckpt: Checkpoint) -> None:
         load_into(self.model, ckpt.tensors["model"])
         self.sampler.load_state_dict(ckpt.state["sampler"])
+        if self.prompt_state is not None:
+            if "prompt_state" not in ckpt.tensors:
+                raise ConfigError(
+                    "resume: the checkpoint has no prompt state (it was written without a part that reads one)"
+                )
+            self.prompt_state.load_state_dict(ckpt.tensors["prompt_state"])
         self.generator.sync_weights()
 
     def save_final_model(self) -> None:

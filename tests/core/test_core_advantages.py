@@ -207,6 +207,7 @@ def test_win_rate_formula(seed, P, G, nan, invalid, nan_pairs):
 def test_every_estimator_has_a_formula_test():
     tested = set(SAMPLE_ESTIMATORS) | {"win_rate", "sibling", "turning_point", "value_anchored", "tree_depth"}
     tested |= {"rec", "canon", "stratified_grpo"}  # test_core_offpolicy.py, test_core_conditional.py
+    tested |= {"spo"}  # test_core_prompt_state.py
     assert set(ESTIMATORS.names()) == tested
 
 

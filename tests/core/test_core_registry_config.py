@@ -111,7 +111,7 @@ def test_advantage_config_errors_list_valid_names():
         AdvantageConfig(estimator={"name": "grpo", "epsilon": 1e-6})
     with pytest.raises(
         ValueError,
-        match=r"unknown advantage transform 'clipp'.*valid names: \['clip', 'filter_zero_std', 'nft_optimality', 'top_bottom_k'\]",
+        match=r"unknown advantage transform 'clipp'.*valid names: \['ace', 'clip', 'filter_zero_std', 'nft_optimality', 'top_bottom_k'\]",
     ):
         AdvantageConfig(transforms=["clipp"])
     with pytest.raises(

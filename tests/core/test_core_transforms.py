@@ -13,7 +13,8 @@ from flowgrpo.core import TRANSFORMS, AdvantageConfig, AdvantageResult, GroupBat
 
 
 def test_every_transform_is_tested():
-    assert TRANSFORMS.names() == ["clip", "filter_zero_std", "nft_optimality", "top_bottom_k"]
+    # ace: test_core_prompt_state.py
+    assert TRANSFORMS.names() == ["ace", "clip", "filter_zero_std", "nft_optimality", "top_bottom_k"]
 
 
 @SETTINGS

@@ -4,8 +4,9 @@ configs/text/tiny_pattern.yaml, 2 prompts x 8 completions x 32 tokens, 20 steps,
 
 Measured (CPU, one thread, seed 1): the mean reward of the last 5 steps is 0.94-1.00 for every recipe but opmd,
 whose regulariser (0.1 (log pi - log pi_old)^2, the source's coefficient) holds the second inner epoch near the
-old policy at this large learning rate: 0.20 after 20 steps (1.00 with coef 0.01); lr = 0 stays at 0.002-0.008.
-One recipe per paper runs by default; the other variants are marked slow (`-m slow`).
+old policy at this large learning rate: 0.20 after 20 steps (1.00 with coef 0.01), and ace (0.83: its penalty
+multiplies negative advantages by up to ~100 once the policy is far from the reference); lr = 0 stays at
+0.002-0.008. One recipe per paper runs by default; the other variants are marked slow (`-m slow`).
 """
 
 import statistics
@@ -22,7 +23,7 @@ TINY = Path(__file__).resolve().parents[2] / "configs" / "text" / "tiny_pattern.
 STRATUM = "rewards=[{name: target_pattern}, {name: format_regex, pattern: aaaa, alias: stratum, weight: 0.0}]"
 EXTRA = {"stratified_grpo": [STRATUM]}
 MARGIN = {"opmd": 0.1}  # measured 0.20 - 0.005 (see above)
-DEFAULT_TIER = ["rec_one_side_nois", "opmd", "red_drop", "canon", "stratified_grpo"]
+DEFAULT_TIER = ["rec_one_side_nois", "opmd", "red_drop", "canon", "stratified_grpo", "spo", "prompt_replay", "ace"]
 
 
 def _last(history, k=5):
@@ -43,7 +44,7 @@ def test_a_recipe_replaces_the_advantage_and_loss_and_overrides_win(tmp_path):
     from_file = load_text_config(path)
     assert from_file.loss.regularizer.name == "opmd" and from_file.loss.regularizer.settings == {"coef": 0.1}
     assert load_text_config(path, ["recipe=null"]).loss.preset == "dapo"  # an override drops the file's recipe
-    with pytest.raises(ConfigError, match=r"unknown recipe 'recc'; valid recipes: \['asymre'"):
+    with pytest.raises(ConfigError, match=r"unknown recipe 'recc'; valid recipes: \['ace', 'asymre'"):
         load_text_config(TINY, ["recipe=recc"])
 
 
