@@ -137,15 +137,7 @@ class EditJudgePairwise(PairwiseVLMJudge):
         p = torch.full((len(prompts),), float("nan"))
         if not n:
             return p
-        p_ab = torch.tensor(verdicts[:n], dtype=torch.float32)
-        if self.both_orders:  # as vlm_judge_pairwise: average the orders that could be judged
-            p_ba = torch.tensor(verdicts[n:], dtype=torch.float32)
-            both = torch.stack([p_ab, 1.0 - p_ba])
-            valid = ~torch.isnan(both)
-            flips = (p_ab == p_ba) & (p_ab != 0.5)  # the same position won both times
-            self.client.http.count("order_disagreements", int(flips.sum()))
-            p_ab = torch.where(valid, both, torch.zeros_like(both)).sum(0) / valid.sum(0)
-        p[asked] = p_ab
+        p[asked] = self._combine_orders(verdicts, n)
         return p
 
 

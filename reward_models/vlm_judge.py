@@ -210,17 +210,20 @@ class PairwiseVLMJudge(PairwiseScorer):
         self.last_replies.extend(replies)
         verdicts = self._verdicts(replies)
         n = len(prompts)
+        return self._combine_orders(verdicts, n)
+
+    def _combine_orders(self, verdicts: list[float], n: int) -> torch.Tensor:
+        """P(a beats b) of the first n verdicts; with both_orders, averaged with 1 - the (b, a) verdicts after them
+        over the orders that could be judged (NaN only when neither could). Flipped verdicts are counted."""
         p_ab = torch.tensor(verdicts[:n], dtype=torch.float32)
         if not self.both_orders:
             return p_ab
         p_ba = torch.tensor(verdicts[n:], dtype=torch.float32)
-        # Average the valid orders; NaN only when neither order could be judged.
         both = torch.stack([p_ab, 1.0 - p_ba])
         valid = ~torch.isnan(both)
-        mean = torch.where(valid, both, torch.zeros_like(both)).sum(0) / valid.sum(0)
         flips = (p_ab == p_ba) & (p_ab != 0.5)  # the same position won both times
         self.client.http.count("order_disagreements", int(flips.sum()))
-        return mean
+        return torch.where(valid, both, torch.zeros_like(both)).sum(0) / valid.sum(0)
 
     def close(self) -> None:
         self.client.close()

@@ -5,6 +5,7 @@
     python scripts/fetch_prompts.py pickscore_sfw    # prompts/pickscore_sfw_{train,test}.txt (TP-GRPO)
     python scripts/fetch_prompts.py hpdv2            # prompts/hpdv2_train.txt, prompts/hpdv2_test.txt
     python scripts/fetch_prompts.py unigenbench      # prompts/unigenbench_train.txt (Pref-GRPO)
+    python scripts/fetch_prompts.py ocr              # prompts/ocr_train.txt, prompts/ocr_test.txt (GARDO)
     python scripts/fetch_prompts.py --check          # what is there: files, prompt counts, problems
     python scripts/fetch_prompts.py hpdv2_test --from benchmark/photo.json benchmark/anime.json   # offline
 
@@ -14,6 +15,8 @@ Sources (the published sets, not shipped here for their size and licences):
                captions), which TP-GRPO's config/my_grpo.py reads as `dataset/pickscore_sfw`
     hpdv2      the HPDv2 dataset on the Hugging Face hub (zhwang/HPDv2): train.json's prompts for
                train, benchmark/{anime,concept-art,paintings,photo}.json (3,200 prompts) for test
+    ocr        the Flow-GRPO repository's dataset/ocr/{train,test}.txt (the OCR task; GARDO's release reads the
+               same files)
     unigenbench  the Pref-GRPO repository's data/unigenbench_train_data.txt (UniGenBench's train prompts;
                github.com/CodeGoat24/Pref-GRPO); there is no test split here (UniGenBench's test prompts
                are a benchmark, github.com/CodeGoat24/UniGenBench)
@@ -84,12 +87,15 @@ SOURCES: dict[str, list[Callable[[], tuple[str, str]]]] = {
     "hpdv2_train": [lambda: _hub("train.json")],
     "hpdv2_test": [lambda s=s: _hub(f"benchmark/{s}.json") for s in HPD_STYLES],
     "unigenbench_train": [lambda: _url(PREF_GRPO)],
+    "ocr_train": [lambda: _url(FLOW_GRPO.format(name="ocr", split="train"))],
+    "ocr_test": [lambda: _url(FLOW_GRPO.format(name="ocr", split="test"))],
 }
 GROUPS = {
     "pickscore": ["pickscore_train", "pickscore_test"],
     "pickscore_sfw": ["pickscore_sfw_train", "pickscore_sfw_test"],
     "hpdv2": ["hpdv2_train", "hpdv2_test"],
     "unigenbench": ["unigenbench_train"],
+    "ocr": ["ocr_train", "ocr_test"],
 }
 GROUP_OF = {name: group for group, names in GROUPS.items() for name in names}
 

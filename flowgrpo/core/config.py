@@ -13,6 +13,7 @@ from ..config import SettingError
 from .advantages import ESTIMATORS
 from .losses import AGGREGATIONS, BOUNDS, KL_ESTIMATORS, PRESETS, RATIOS, STEP_WEIGHTINGS, SURROGATES
 from .offpolicy import CLIP_MODES, REC_WEIGHTS  # registers the REC family's parts and presets
+from . import trust_region  # noqa: F401  (registers the flow_dppo surrogate)
 from .registry import Registry
 from .regularizers import REGULARIZERS
 from .transforms import TRANSFORMS

@@ -27,7 +27,7 @@ from ..config import ConfigError
 from ..scaling.sharding import full_state
 from ..run.clock import seconds_since
 from ..run import CheckpointParts, OptimizerStep, PromptSampler, RunLoop, build_ema, build_optimizer
-from . import adversarial, awm, dpo, dppo, gardo_methods, grpo, nft, sft  # noqa: F401  (register the methods)
+from . import adversarial, awm, dpo, gardo_methods, grpo, nft, sft  # noqa: F401  (register the methods)
 from . import artifacts, edit_data
 from .config import T2IConfig
 from .data import PromptSet, load_prompt_set

@@ -305,11 +305,6 @@ class TextConfig(StrictModel):
             raise ValueError(f"unknown recipe '{name}'; valid recipes: {sorted(RECIPES)}")
         return name
 
-    @field_validator("prompt_sampling")
-    @classmethod
-    def _known_sampler(cls, spec: PartSpec) -> PartSpec:
-        return spec.check(PROMPT_SAMPLERS, "prompt_sampling")
-
     @field_validator("method")
     @classmethod
     def _registered_method(cls, name: str) -> str:
@@ -318,6 +313,7 @@ class TextConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check(self) -> "TextConfig":
+        self.prompt_sampling.check(PROMPT_SAMPLERS, "prompt_sampling")  # here: a field validator's key doubles
         if not self.rewards:
             raise ValueError("rewards: at least one reward function is needed")
         if problem := output_dir_problem(self.output_dir):

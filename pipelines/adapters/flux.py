@@ -100,12 +100,16 @@ class FluxAdapter(Adapter):
         )
         return {"embeds": embeds.to(self.dtype), "pooled": pooled.to(self.dtype)}
 
+    def _guidance(self, n: int, guidance: float | None, device: torch.device) -> Tensor | None:
+        """The embedded guidance per row (FLUX.1-dev, Kontext); None for a model without the embedding."""
+        if not self.guidance_embeds:
+            return None
+        scale = self.embedded_guidance if guidance is None else guidance
+        return torch.full((n,), float(scale), device=device, dtype=torch.float32)
+
     def _forward(self, x: Tensor, sigma: Tensor, text: dict[str, Tensor | None], guidance: float | None) -> Tensor:
         n, _, h, w = x.shape
-        g = None
-        if self.guidance_embeds:
-            scale = self.embedded_guidance if guidance is None else guidance
-            g = torch.full((n,), float(scale), device=x.device, dtype=torch.float32)
+        g = self._guidance(n, guidance, x.device)
         embeds = text["embeds"]
         out = self.denoiser(
             hidden_states=pack(x),

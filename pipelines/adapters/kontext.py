@@ -45,10 +45,7 @@ class FluxKontextAdapter(EditAdapter, FluxAdapter):
 
     def _forward_layout(self, x: Tensor, sigma: Tensor, text: dict, layout: tuple, guidance: float | None) -> Tensor:
         n, _, h, w = x.shape
-        g = None
-        if self.guidance_embeds:
-            scale = self.embedded_guidance if guidance is None else guidance
-            g = torch.full((n,), float(scale), device=x.device, dtype=torch.float32)
+        g = self._guidance(n, guidance, x.device)
         embeds = text["embeds"]
         generated = pack(x)
         out = self.denoiser(

@@ -40,6 +40,7 @@ def quiet_overrides(out_dir: Path, threads: int, iterations: int) -> list[str]:
         "artifacts.plot=false",
         "checkpoint.save_final_model=false",
         "eval.every=0",
+        "monitor.enabled=false",  # held-out sampling, like eval: not part of a training iteration's cost
         f"num_threads={threads}",
         f"iterations={iterations}",
     ]

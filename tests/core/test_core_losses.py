@@ -122,7 +122,8 @@ AGGS = [
 def test_every_part_is_in_the_reference():
     assert RATIOS.names() == sorted(RATIO_NAMES)
     assert BOUNDS.names() == sorted({b for b, _ in BOUND_SPECS})
-    assert SURROGATES.names() == sorted({s for s, _ in SURROGATE_SPECS} | {"rec"})  # rec: test_core_offpolicy.py
+    # rec: test_core_offpolicy.py; flow_dppo: tests/t2i/test_method_dppo.py
+    assert SURROGATES.names() == sorted({s for s, _ in SURROGATE_SPECS} | {"rec", "flow_dppo"})
     assert STEP_WEIGHTINGS.names() == sorted(WEIGHTINGS)
     assert KL_ESTIMATORS.names() == sorted({k for k, _ in KL_SPECS})
     assert AGGREGATIONS.names() == sorted(AGGS)

@@ -317,6 +317,9 @@ PINS: dict[str, dict[str, Any]] = {
     "gardo": {
         **SD35M,
         "method": "grpo_gardo",
+        "data.path": "prompts/ocr_train.txt",
+        "data.eval_path": "prompts/ocr_test.txt",
+        "rewards.0.name": "ocr",
         "plan.name": "full_sde",
         "plan.train_fraction": 0.89,
         "loss.bounds.eps": 1e-4,

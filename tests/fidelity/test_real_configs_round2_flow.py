@@ -125,6 +125,9 @@ def test_prompt_encoding_seed_and_judges(recipe):
     cfg = _cfg(recipe)
     assert cfg.model.options == {"max_sequence_length": 128}  # every script: compute_text_embeddings(..., 128)
     assert cfg.seed == 42  # config/base.py of every codebase here
+    if recipe == "gardo":  # the OCR task: ocr 0.8, aesthetic 0.1, imagereward 0.1 (config/gardo.py reward_fn)
+        assert [(r.name, r.weight) for r in cfg.rewards] == [("ocr", 0.8), ("aesthetic", 0.1), ("imagereward", 0.1)]
+        return
     pick = [r for r in cfg.rewards if r.name == "pickscore"]
     assert len(pick) == 1 and pick[0].settings == {"dtype": "float32", "preprocess": "pil"}
     assert pick[0].weight == pytest.approx(0.0 if recipe == "adv_grpo" else 1 / 26)

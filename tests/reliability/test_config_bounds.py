@@ -360,7 +360,10 @@ PART_KEYS = {
     "kernel": ("sampler.sde_kernel", "sampler.sde_kernel"),
     "sigma grid": ("sampler.schedule", "sampler.schedule"),
     "rollout plan": ("plan", "plan"),
+    "regularizer": ("loss.regularizer", "loss.regularizer"),
+    "prompt sampler": ("prompt_sampling", "prompt_sampling"),  # the text trainer's (TEXT_ONLY)
 }
+TEXT_ONLY = {"prompt sampler"}
 
 
 def _bad_settings(bound: Bound) -> list[Any]:
@@ -394,19 +397,22 @@ def test_every_bounded_registry_kind_is_configurable_here():
 def test_every_bounded_setting_refuses_a_value_outside_naming_the_key(kind, name, setting, bad):
     part, key = PART_KEYS[kind]
     value = f"{{name: {name}, {setting}: {_yaml(bad)}}}"
-    text = _error(_t2i, f"{part}=[{value}]" if kind == "advantage transform" else f"{part}={value}")
+    load = _text if kind in TEXT_ONLY else _t2i
+    text = _error(load, f"{part}=[{value}]" if kind == "advantage transform" else f"{part}={value}")
     lines = [line for line in text.splitlines() if line.strip().startswith(f"{key}.{setting}:")]
     assert len(lines) == 1 and "must be" in lines[0] and f"'{name}'" in lines[0], text
 
 
 def _registry(kind: str) -> Any:
-    from flowgrpo.core import AGGREGATIONS, BOUNDS, ESTIMATORS, SURROGATES
+    from flowgrpo.core import AGGREGATIONS, BOUNDS, ESTIMATORS, REGULARIZERS, SURROGATES
+    from flowgrpo.core.prompt_state import PROMPT_SAMPLERS
     from flowgrpo.core.transforms import TRANSFORMS
     from pipelines.plans import PLANS
     from pipelines.schedules import SIGMA_GRIDS
     from pipelines.steps import KERNELS
 
-    regs = [ESTIMATORS, TRANSFORMS, BOUNDS, SURROGATES, AGGREGATIONS, KERNELS, SIGMA_GRIDS, PLANS]
+    regs = [ESTIMATORS, TRANSFORMS, BOUNDS, SURROGATES, AGGREGATIONS, REGULARIZERS, PROMPT_SAMPLERS, KERNELS]
+    regs += [SIGMA_GRIDS, PLANS]
     return next(r for r in regs if r.kind == kind)
 
 

@@ -135,10 +135,10 @@ def test_an_image_artifact_write_that_fails_is_one_line(tmp_path, where):
         "grid": """
 import flowgrpo.t2i.artifacts as artifacts
 real = artifacts.save_grid
-def save_grid(images, path, *args):
+def save_grid(images, path, *args, **kwargs):
     if path.name == "rollout_000002.png":
         raise full()  # PIL writing the PNG: no file name in the error
-    return real(images, path, *args)
+    return real(images, path, *args, **kwargs)
 artifacts.save_grid = save_grid
 """,
         "reward_curve": """

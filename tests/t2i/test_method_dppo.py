@@ -1,4 +1,4 @@
-"""Flow-DPPO (flowgrpo/t2i/dppo.py): the KL-ADV masked surrogate through flowgrpo.core.policy_loss against a
+"""Flow-DPPO (flowgrpo/core/trust_region.py): the KL-ADV masked surrogate through flowgrpo.core.policy_loss against a
 float64 re-derivation on fixed inputs; the method / surrogate pairing; one tiny iteration; learning (heavy)."""
 
 import math

@@ -15,8 +15,8 @@ add_kl_coefficient true in examples/diffusion/sd3_flowdppo.yaml).
 
 Why a loss part and not a method: both implementations reuse Flow-GRPO's rollout (SDE), re-scored log-probs
 and old means unchanged and differ only in the per-action surrogate, so `flow_dppo` is a surrogate in
-flowgrpo.core's registry (registered here, by the image trainer's import) that `method: grpo` trains: the
-objective hands it the rollout-time means because the surrogate declares it reads them. The bounds part is not
+flowgrpo.core's registry that `method: grpo` trains: the image objective hands it the rollout-time means because
+the surrogate declares it reads them (flowgrpo.t2i.objectives.reads_old_means). The bounds part is not
 used by this surrogate: `clip/frac` then reports the fraction outside the configured bounds, a diagnostic only.
 """
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..core.losses import SURROGATES, LossContext
+from .losses import SURROGATES, LossContext
 
 
 def dppo_keep_mask(
