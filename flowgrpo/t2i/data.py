@@ -29,7 +29,7 @@ class PromptSet:
 
 # the prompt files scripts/fetch_prompts.py writes: its set name -> the splits it has
 FETCHABLE = {"pickscore": ("train", "test"), "pickscore_sfw": ("train", "test"), "hpdv2": ("train", "test"),
-             "unigenbench": ("train",)}  # fmt: skip
+             "unigenbench": ("train",), "ocr": ("train", "test")}  # fmt: skip
 
 
 def _fetch_hint(file: Path) -> str:

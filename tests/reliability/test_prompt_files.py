@@ -20,6 +20,9 @@ def real_prompt_files() -> list[str]:
     for config in (ROOT / "configs/t2i/real").glob("*.yaml"):
         data = read_yaml_config(config).get("data") or {}
         files |= {data[k] for k in ("path", "eval_path") if data.get(k)}
+    # image-edit rows (.jsonl naming images: kontext_edit, qwenimage_edit_plus) are not fetched by fetch_prompts.py;
+    # docs/recipes.md, "Editing recipes", says where they come from and how to convert them
+    files = {f for f in files if not f.endswith(".jsonl")}
     return sorted(files)
 
 
