@@ -1,7 +1,7 @@
 """Write the per-rank memory table of docs/scaling.md: python scripts/memory_table.py [--check]
 
-Builds FLUX.1-dev, SD3.5-Medium, Qwen-Image, FLUX.2-klein-4B / 9B, Z-Image-Turbo and Qwen2.5-7B at full size on the
-meta device (no weights, no GPU, no download), checks their parameter counts against the published sizes, and
+Builds FLUX.1-dev, SD3.5-Medium, Qwen-Image, the editing models FLUX.1-Kontext-dev and Qwen-Image-Edit / -Edit-2509,
+FLUX.2-klein-4B / 9B, Z-Image-Turbo and Qwen2.5-7B at full size on the meta device (no weights, no GPU, no download), checks their parameter counts against the published sizes, and
 replaces the block between the memory-table markers of docs/scaling.md. --check only reports
 whether the document is up to date (exit 1 if not).
 """

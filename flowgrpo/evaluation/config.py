@@ -10,6 +10,10 @@ before any image is generated.
       generate: {model: sd3, pretrained: /models/sd3.5-medium, prompts: prompts.txt}
     scorers: [pickscore, {name: jpeg_compressibility, quality: 95}]
     output_dir: outputs/eval/sd35-lora
+
+Image editing: `input.generate={model: flux_kontext, tiny: true, prompts: edits.jsonl}` (or qwenimage_edit /
+qwenimage_edit_plus) with rows `{"prompt": ..., "images": [paths relative to the file]}`; edit scorers such as
+edit_preservation and clip_directional read metadata["source_images"] (see sources.py, generate.py).
 """
 
 from __future__ import annotations
@@ -41,11 +45,12 @@ class GenerateInput(StrictModel):
     image from the same noise, so a base model and its LoRA are compared image for image.
     """
 
-    model: str  # family: sd3 | flux | sd15 | qwenimage
+    model: str  # family: sd3 | flux | sd15 | qwenimage | ...; editing: flux_kontext | qwenimage_edit(_plus)
     pretrained: Optional[str] = None  # a local diffusers pipeline folder or a hub id
     tiny: bool = False  # tiny random weights built from configs (tests, demos)
     lora: Optional[str] = None  # a folder (or .safetensors file) written by adapter.save_lora
-    prompts: str  # prompt set: .txt (one per line) or .jsonl ("prompt" + metadata)
+    prompts: str  # prompt set: .txt (one per line) or .jsonl ("prompt" + metadata; editing: + "images")
+    image_resize: Literal["resize", "crop", "exact"] = "resize"  # editing: how input images reach height x width
     max_prompts: Optional[int] = Field(default=None, ge=1)
     images_per_prompt: int = Field(default=1, ge=1)
     num_steps: int = Field(default=28, ge=1)

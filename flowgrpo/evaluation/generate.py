@@ -4,17 +4,27 @@ decoded by the adapter and saved as PNG into `<run>/images/`.
 The folder also gets `images/prompts.jsonl` (file, prompt, index, metadata), so it can be scored
 again later as an image folder. Images are scored from the saved PNGs, so re-scoring that folder
 gives the same numbers.
+
+Image editing (flux_kontext, qwenimage_edit, qwenimage_edit_plus): the prompt rows name input images (see
+sources.py), read with the trainer's loader and brought to height x width; the rows reach the adapter as
+`EditPrompt`s. Each row's source images, as the model saw them, are saved beside the edits
+(`<row>_src<k>.png`) and listed in the metadata "images", so scorers get metadata["source_images"] and the
+report shows source and edit side by side. A text-to-image family given image rows, or an editing family
+given plain prompts, is a one-line error before any model loads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from ..config import ConfigError
+from ..t2i.edit_data import SOURCE_KEY, ImageSpec, check_family
 from .config import GenerateInput
-from .sources import EvaluationError, Sample, assign_indices, prompt_set
+from .sources import SOURCES, EvaluationError, Sample, assign_indices, prompt_set
 
 IMAGES_DIR = "images"
 PROMPTS_NAME = "prompts.jsonl"
@@ -45,9 +55,11 @@ def _clear_previous(images_dir: Path) -> None:
     if not listing.is_file():
         return
     for line in listing.read_text(encoding="utf-8").splitlines():
-        name = json.loads(line).get("file") if line.strip() else None
-        if isinstance(name, str) and Path(name).name == name:  # only plain names inside the folder
-            (images_dir / name).unlink(missing_ok=True)
+        row = json.loads(line) if line.strip() else {}
+        sources = (row.get("metadata") or {}).get(SOURCES)
+        for name in [row.get("file"), *(sources if isinstance(sources, list) else [])]:
+            if isinstance(name, str) and Path(name).name == name:  # only plain names inside the folder
+                (images_dir / name).unlink(missing_ok=True)
     listing.unlink()
 
 
@@ -63,7 +75,11 @@ def generate_images(cfg: GenerateInput, run_dir: str | Path, progress: bool = Tr
     from reward_models.images import to_uint8_hwc
     from PIL import Image
 
-    rows = prompt_set(cfg.prompts, cfg.max_prompts)
+    rows = prompt_set(cfg.prompts, cfg.max_prompts, ImageSpec(cfg.height, cfg.width, cfg.image_resize))
+    try:
+        check_family([r.prompt for r in rows], cfg.model, f"input.generate.prompts ({cfg.prompts})")
+    except ConfigError as err:
+        raise EvaluationError(str(err)) from None
     run_dir = Path(run_dir)
     images_dir = run_dir / IMAGES_DIR
     images_dir.mkdir(parents=True, exist_ok=True)
@@ -90,13 +106,15 @@ def generate_images(cfg: GenerateInput, run_dir: str | Path, progress: bool = Tr
     k = cfg.images_per_prompt
     # (prompt, index) stays unique when a prompt is listed twice: its images are numbered on.
     expanded = [row for row in rows for _ in range(k)]
-    indices = assign_indices(expanded, cfg.prompts)
+    # (EditPrompts of one text and other images are distinct prompts, but a run matches by the plain text)
+    indices = assign_indices([dataclasses.replace(r, prompt=str(r.prompt)) for r in expanded], cfg.prompts)
     width = max(5, len(str(len(rows) - 1)))
     samples: list[Sample] = []
     bar = tqdm(total=len(rows) * k, desc="generate", unit="img", disable=not progress)
     for start in range(0, len(rows), cfg.batch_size):
         chunk = rows[start : start + cfg.batch_size]
         generator = torch.Generator().manual_seed(batch_seed(cfg.seed, start))
+        saved = {p: _save_sources(row, images_dir, f"{p:0{width}d}") for p, row in enumerate(chunk, start)}
         tree = sampler.run(adapter, [r.prompt for r in chunk], plan, k, generator)
         latents = tree.leaf_latents().flatten(0, 1)  # [P*k, C, h, w], prompt-major
         pixels = []
@@ -108,13 +126,30 @@ def generate_images(cfg: GenerateInput, run_dir: str | Path, progress: bool = Tr
             name = f"{p:0{width}d}_{g:02d}.png"
             Image.fromarray(array).save(images_dir / name)
             row = expanded[p * k + g]
-            samples.append(Sample(f"{IMAGES_DIR}/{name}", row.prompt, indices[p * k + g], dict(row.metadata)))
+            meta = {key: v for key, v in row.metadata.items() if key != SOURCE_KEY}
+            if saved[p]:
+                meta[SOURCES] = saved[p]
+            samples.append(Sample(f"{IMAGES_DIR}/{name}", str(row.prompt), indices[p * k + g], meta))
         bar.update(len(chunk) * k)
     bar.close()
     with open(images_dir / PROMPTS_NAME, "w", encoding="utf-8") as f:
         for s in samples:
             row = {"file": Path(s.file).name, "prompt": s.prompt, "index": s.index}
             if s.metadata:
-                row["metadata"] = s.metadata
+                row["metadata"] = dict(s.metadata)
+                if SOURCES in s.metadata:  # the listing's paths are relative to the listing's folder
+                    row["metadata"][SOURCES] = [Path(f).name for f in s.metadata[SOURCES]]
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     return samples
+
+
+def _save_sources(row, images_dir: Path, stem: str) -> list[str]:
+    """An edit row's source images (as the model saw them) as PNGs; their paths relative to the run folder."""
+    from PIL import Image
+
+    out = []
+    for n, image in enumerate(getattr(row.prompt, "images", ())):
+        name = f"{stem}_src{n}.png"
+        Image.fromarray(image.permute(1, 2, 0).contiguous().numpy()).save(images_dir / name)
+        out.append(f"{IMAGES_DIR}/{name}")
+    return out

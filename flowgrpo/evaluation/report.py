@@ -8,6 +8,9 @@ rate) and the pairwise scorers' preferences; then per main score key a histogram
 comparison), the best and worst k images with prompt and score, and in a comparison the k matched
 pairs where B gained most and lost most. A small inline script marks <body> with
 data-images-loaded / data-images-total / data-images-ok once every <img> has decoded (tests read it).
+An edit (a sample whose metadata "images" names its input images) is shown as one row: its source image(s),
+then the edit (in a comparison: source(s), A, B); the script also counts the rows whose first source is laid
+out left of the edit on one line (data-edit-rows / data-edit-rows-beside).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ figcaption .score { font-weight: 600; } figcaption .file { color: #888; }
 .missing { width: var(--thumb); height: var(--thumb); background: #f6f6f6; color: #999; font-size: 0.8em;
            display: flex; align-items: center; justify-content: center; }
 .up { color: #0a7d32; } .down { color: #b3261e; }
+figure.source figcaption { color: #666; }
 """
 
 # Marks <body> once every image has decoded; headless-browser tests read these attributes.
@@ -59,6 +63,15 @@ window.addEventListener('load', function () {
   document.body.setAttribute('data-images-total', String(images.length));
   document.body.setAttribute('data-images-loaded', String(ok));
   document.body.setAttribute('data-images-ok', ok === images.length ? 'true' : 'false');
+  var edits = document.querySelectorAll('.edit'), beside = 0;
+  Array.prototype.forEach.call(edits, function (row) {
+    var s = row.querySelector('figure.source img'), e = row.querySelector('figure.edited img');
+    if (!s || !e) { return; }
+    var a = s.getBoundingClientRect(), b = e.getBoundingClientRect();
+    if (a.width > 0 && b.width > 0 && a.right <= b.left && Math.abs(a.top - b.top) < 1) { beside += 1; }
+  });
+  document.body.setAttribute('data-edit-rows', String(edits.length));
+  document.body.setAttribute('data-edit-rows-beside', String(beside));
 });
 """
 
@@ -98,14 +111,15 @@ class Thumbnails:
                 self._cache[path] = None  # shown as a "missing" box, not a broken <img>
         return self._cache[path]
 
-    def figure(self, path: Path, caption: str, title: str = "") -> str:
+    def figure(self, path: Path, caption: str, title: str = "", cls: str = "") -> str:
         uri = self.uri(path)
         img = (
             f'<img src="{uri}" alt="{_e(path.name)}" loading="eager">'
             if uri
             else f'<div class="missing">missing: {_e(path.name)}</div>'
         )
-        return f'<figure title="{_e(title)}">{img}<figcaption>{caption}</figcaption></figure>'
+        klass = f' class="{cls}"' if cls else ""
+        return f'<figure{klass} title="{_e(title)}">{img}<figcaption>{caption}</figcaption></figure>'
 
 
 def histogram_uri(series: Sequence[tuple[str, np.ndarray]], bins: int, xlabel: str) -> Optional[str]:
@@ -137,6 +151,25 @@ def histogram_uri(series: Sequence[tuple[str, np.ndarray]], bins: int, xlabel: s
 def _caption(score: float, prompt: str, name: str) -> str:
     short = prompt if len(prompt) <= 110 else prompt[:107] + "..."
     return f'<span class="score">{fmt(score)}</span> · {_e(short)} <span class="file">{_e(name)}</span>'
+
+
+def _sources(thumbs: Thumbnails, run: Run, i: int) -> list[str]:
+    """Figures of sample i's input images (metadata "images"), empty for a text-to-image sample."""
+    s = run.samples[i]
+    names = s.metadata.get("images")
+    if not isinstance(names, list):
+        return []
+    paths = [Path(n) if Path(n).is_absolute() else run.root / n for n in names if isinstance(n, str)]
+    label = "source" if len(paths) == 1 else "source {}"
+    return [thumbs.figure(p, label.format(k + 1), s.prompt, "source") for k, p in enumerate(paths)]
+
+
+def _edit_row(thumbs: Thumbnails, run: Run, i: int, caption: str) -> str:
+    """Sample i's figure; an edit as one row: source(s), then the edit with the caption."""
+    s = run.samples[i]
+    sources = _sources(thumbs, run, i)
+    edit = thumbs.figure(run.path(i), caption, s.prompt, "edited" if sources else "")
+    return f'<div class="pairbox edit"><div class="pair">{"".join(sources)}{edit}</div></div>' if sources else edit
 
 
 def _ranked(values: np.ndarray, k: int) -> tuple[list[int], list[int]]:
@@ -211,11 +244,15 @@ def _pair_grid(
     for m in order:
         i, j = int(ia[m]), int(ib[m])
         s = run_b.samples[j]
+        sources = _sources(thumbs, run_b, j)
         fa = thumbs.figure(run_a.path(i), f'A <span class="score">{fmt(a[m])}</span>', s.prompt)
-        fb = thumbs.figure(run_b.path(j), f'B <span class="score">{fmt(b[m])}</span>', s.prompt)
+        fb = thumbs.figure(
+            run_b.path(j), f'B <span class="score">{fmt(b[m])}</span>', s.prompt, "edited" if sources else ""
+        )
         short = s.prompt if len(s.prompt) <= 110 else s.prompt[:107] + "..."
         boxes.append(
-            f'<div class="pairbox"><div class="pair">{fa}{fb}</div><div class="cap">B−A '
+            f'<div class="pairbox{" edit" if sources else ""}"><div class="pair">{"".join(sources)}{fa}{fb}</div>'
+            '<div class="cap">B−A '
             f"<b>{fmt(b[m] - a[m])}</b> · #{s.index} · {_e(short)}</div></div>"
         )
     return f'<div class="grid">{"".join(boxes)}</div>' if boxes else '<p class="meta">no pairs with finite scores</p>'
@@ -264,10 +301,8 @@ def build_report(
             best, worst = _ranked(values, cfg.top_k)
             for name, idx in (("Best", best), ("Worst", worst)):
                 figs = [
-                    thumbs.figure(
-                        run_b.path(i),
-                        _caption(values[i], run_b.samples[i].prompt, Path(run_b.samples[i].file).name),
-                        run_b.samples[i].prompt,
+                    _edit_row(
+                        thumbs, run_b, i, _caption(values[i], run_b.samples[i].prompt, Path(run_b.samples[i].file).name)
                     )
                     for i in idx
                 ]

@@ -3,6 +3,9 @@
 Pointwise scorers give every image one value per output key (the main key, e.g. 'pickscore', and
 extras named '<key>/<what>'); NaN means "could not score" and is kept as NaN. Pairwise scorers are
 used only in comparisons: for every matched pair they give P(run B's image beats run A's).
+
+An edit's input images (metadata "images": paths, see sources.py) are loaded for the scorers as
+metadata["source_images"]: per image, a list of uint8 [3, H, W] tensors (the edit scorers resize them).
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from .config import ScorerSpec
-from .sources import EvaluationError, Sample
+from .sources import SOURCES, EvaluationError, Sample
+
+SOURCE_KEY = "source_images"  # reward_models.edit_scores.SOURCE_KEY
 
 
 def build_scorers(specs: Sequence[ScorerSpec]) -> tuple[list, list]:
@@ -58,10 +63,26 @@ def load_images(root: str | Path, samples: Sequence[Sample]) -> list[Image.Image
     return images
 
 
-def metadata_columns(samples: Sequence[Sample]) -> dict[str, list]:
-    """Per-image metadata as the scorers take it: a dict of lists (None where an image lacks a key)."""
+def metadata_columns(samples: Sequence[Sample], root: str | Path | None = None) -> dict[str, list]:
+    """Per-image metadata as the scorers take it: a dict of lists (None where an image lacks a key); with `root`,
+    edits' input images as "source_images" (an empty list for an image without)."""
     keys = list(dict.fromkeys(k for s in samples for k in s.metadata))
-    return {k: [s.metadata.get(k) for s in samples] for k in keys}
+    columns = {k: [s.metadata.get(k) for s in samples] for k in keys}
+    if root is not None and SOURCES in columns:
+        columns[SOURCE_KEY] = [source_images(root, s) for s in samples]
+    return columns
+
+
+def source_images(root: str | Path, sample: Sample) -> list:
+    """The sample's input images (metadata "images") as uint8 [3, H, W] tensors."""
+    import torch
+
+    out = []
+    for name in sample.metadata.get(SOURCES) or []:
+        path = Path(name) if Path(name).is_absolute() else Path(root) / name
+        image = load_images(root, [Sample(str(path), sample.prompt, sample.index)])[0]
+        out.append(torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).contiguous())
+    return out
 
 
 def _numpy(t) -> np.ndarray:
@@ -85,7 +106,7 @@ def score_samples(
         chunk = samples[start : start + batch_size]
         images = load_images(root, chunk)
         prompts = [s.prompt for s in chunk]
-        metadata = metadata_columns(chunk)
+        metadata = metadata_columns(chunk, root)
         for i, (spec, scorer) in enumerate(scorers):
             for key, value in scorer(images, prompts, metadata).items():
                 if owner.setdefault(key, i) != i:
@@ -118,7 +139,7 @@ def score_pairs(
         a, b = samples_a[start : start + batch_size], samples_b[start : start + batch_size]
         images_a, images_b = load_images(root_a, a), load_images(root_b, b)
         prompts = [s.prompt for s in b]
-        metadata = metadata_columns(b)
+        metadata = metadata_columns(b, root_b)
         for spec, scorer in scorers:
             p = scorer(images_b, images_a, prompts, metadata)
             out[spec.name][start : start + len(b)] = _numpy(p)

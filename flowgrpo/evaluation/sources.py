@@ -15,6 +15,12 @@ TXT (any other suffix): one prompt per line; blank lines are skipped. In an imag
   are matched to the image files sorted by file name (the counts must agree); `index` counts the
   images of each prompt in that order.
 
+Image editing: a row may name its input image(s), `"images": [paths]` (or `"image": path`), relative to the
+.jsonl file, and give its text as `prompt` or `instruction` (flowgrpo/t2i/edit_data.py). A prompt set for
+generation reads them with the trainer's loader (`edit_data.edit_prompt`: each image brought to the generated
+size, errors name file:line) and its rows become `EditPrompt`s; an image folder keeps the paths (made absolute)
+in the metadata "images". Scoring loads them into metadata["source_images"] (uint8 [3, H, W] tensors).
+
 Runs are matched for a comparison by (prompt, index), so that pair must be unique within a run.
 """
 
@@ -27,9 +33,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..config import ConfigError, read_text_file
+from ..t2i.edit_data import ImageSpec, edit_prompt, names_images
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 _KNOWN_KEYS = ("file", "prompt", "index", "metadata")
+SOURCES = "images"  # metadata key of an edit's input image paths (absolute, or relative to the run folder)
 
 
 class EvaluationError(ValueError):
@@ -56,10 +64,12 @@ class PromptRow:
     file: Optional[str] = None
     index: Optional[int] = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    line: int = 0
 
 
-def read_prompt_file(path: str | Path) -> list[PromptRow]:
-    """Rows of a .jsonl or .txt prompt file (see the module docstring)."""
+def read_prompt_file(path: str | Path, images: Optional[ImageSpec] = None) -> list[PromptRow]:
+    """Rows of a .jsonl or .txt prompt file (see the module docstring). With `images`, rows naming input images
+    are loaded by the trainer's loader into `EditPrompt`s (their metadata gains "images" and "source_images")."""
     path = Path(path)
     if not path.is_file():
         raise EvaluationError(f"prompt file not found: {path}")
@@ -80,8 +90,9 @@ def read_prompt_file(path: str | Path) -> list[PromptRow]:
             raise EvaluationError(f"{where}: not JSON ({err.msg})") from None
         if not isinstance(obj, dict):
             raise EvaluationError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-        if not isinstance(obj.get("prompt"), str):
-            raise EvaluationError(f"{where}: needs a string 'prompt' (keys: {sorted(obj)})")
+        text_key = "prompt" if "prompt" in obj else "instruction"
+        if not isinstance(obj.get(text_key), str):
+            raise EvaluationError(f"{where}: needs a string 'prompt' (or 'instruction') (keys: {sorted(obj)})")
         file, index, meta = obj.get("file"), obj.get("index"), obj.get("metadata", {})
         if file is not None and not isinstance(file, str):
             raise EvaluationError(f"{where}: 'file' must be a string")
@@ -89,8 +100,14 @@ def read_prompt_file(path: str | Path) -> list[PromptRow]:
             raise EvaluationError(f"{where}: 'index' must be an int >= 0, got {index!r}")
         if not isinstance(meta, dict):
             raise EvaluationError(f"{where}: 'metadata' must be an object")
-        extra = {k: v for k, v in obj.items() if k not in _KNOWN_KEYS}
-        rows.append(PromptRow(obj["prompt"], file, index, {**meta, **extra}))
+        extra = {k: v for k, v in obj.items() if k not in (*_KNOWN_KEYS, text_key)}
+        text, meta = obj[text_key], {**meta, **extra}
+        if images is not None and names_images(meta):
+            try:
+                text = edit_prompt(text, meta, path, n, "input.generate.prompts", images)
+            except ConfigError as err:
+                raise EvaluationError(str(err)) from None
+        rows.append(PromptRow(text, file, index, meta, n))
     return rows
 
 
@@ -138,6 +155,8 @@ def folder_samples(folder: str | Path, prompts: Optional[str | Path] = None) -> 
         absent = [str(f) for f in files if not f.is_file()]
         if absent:
             raise EvaluationError(f"{prompts}: {len(absent)} image file(s) not found, e.g. {absent[:3]}")
+        for row in rows:
+            _resolve_sources(row, prompts)
     else:
         files = list_images(folder)
         if len(files) != len(rows):
@@ -152,9 +171,29 @@ def folder_samples(folder: str | Path, prompts: Optional[str | Path] = None) -> 
     return [Sample(str(f.resolve()), r.prompt, i, r.metadata) for f, r, i in zip(files, rows, indices)]
 
 
-def prompt_set(path: str | Path, max_prompts: Optional[int] = None) -> list[PromptRow]:
-    """Prompts to generate from: a .txt or .jsonl prompt file without `file` / `index` keys."""
-    rows = read_prompt_file(path)
+def _resolve_sources(row: PromptRow, prompts: Path) -> None:
+    """An image-folder row's input images ("images" / "image", relative to the prompts file): checked, made absolute."""
+    if not names_images(row.metadata):
+        return
+    where = f"{prompts}:{row.line}"
+    names = [row.metadata.pop("image")] if "image" in row.metadata else row.metadata.pop(SOURCES)
+    if SOURCES in row.metadata:
+        raise EvaluationError(f"{where}: give either 'image' or 'images', not both")
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):
+        raise EvaluationError(f"{where}: 'images' must be a non-empty list of paths (relative to the .jsonl file)")
+    paths = [(prompts.parent / n).resolve() for n in names]
+    absent = [str(p) for p in paths if not p.is_file()]
+    if absent:
+        raise EvaluationError(f"{where}: input image '{absent[0]}' does not exist")
+    row.metadata[SOURCES] = [str(p) for p in paths]
+
+
+def prompt_set(
+    path: str | Path, max_prompts: Optional[int] = None, images: Optional[ImageSpec] = None
+) -> list[PromptRow]:
+    """Prompts to generate from: a .txt or .jsonl prompt file without `file` / `index` keys (rows naming input
+    images become EditPrompts when `images` is given)."""
+    rows = read_prompt_file(path, images)
     bad = [n for n, r in enumerate(rows, 1) if r.file is not None or r.index is not None]
     if bad:
         raise EvaluationError(f"{path}: a prompt set for generation takes no 'file' or 'index' (row {bad[0]})")

@@ -69,6 +69,33 @@ FLUX2_KLEIN_CONFIG: dict[str, Any] = dict(
 )
 
 
+# FLUX.1-dev's transformer/config.json (FLUX.1-Kontext-dev's is the same model shape)
+FLUX1_DEV_CONFIG: dict[str, Any] = dict(
+    patch_size=1,
+    in_channels=64,
+    num_layers=19,
+    num_single_layers=38,
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=4096,
+    pooled_projection_dim=768,
+    guidance_embeds=True,
+    axes_dims_rope=(16, 56, 56),
+)
+# Qwen-Image's transformer/config.json (Qwen-Image-Edit and -Edit-2509 have the same shape)
+QWEN_IMAGE_CONFIG: dict[str, Any] = dict(
+    patch_size=2,
+    in_channels=64,
+    out_channels=16,
+    num_layers=60,
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=3584,
+    guidance_embeds=False,
+    axes_dims_rope=(16, 56, 56),
+)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A published model config and the training workload of our recipe for it."""
@@ -81,7 +108,8 @@ class ModelSpec:
     block_classes: tuple[str, ...]
     lora_rank: int
     lora_targets: tuple[str, ...]
-    tokens: int  # sequence length one block sees (image + text tokens, or prompt + completion)
+    tokens: int  # sequence length one block sees (image + text tokens, or prompt + completion; an edit model's
+    # reference-image tokens are in it: the denoiser attends over [generated; reference] latent tokens)
     micro_batch: int
     workload: str  # where tokens / micro_batch / rank come from
     vocab: int = 0  # > 0 for a causal LM (log-softmax over the vocabulary)
@@ -93,18 +121,7 @@ SPECS: tuple[ModelSpec, ...] = (
         name="FLUX.1-dev",
         library="diffusers",
         class_name="FluxTransformer2DModel",
-        config=dict(
-            patch_size=1,
-            in_channels=64,
-            num_layers=19,
-            num_single_layers=38,
-            attention_head_dim=128,
-            num_attention_heads=24,
-            joint_attention_dim=4096,
-            pooled_projection_dim=768,
-            guidance_embeds=True,
-            axes_dims_rope=(16, 56, 56),
-        ),
+        config=FLUX1_DEV_CONFIG,
         source="https://huggingface.co/black-forest-labs/FLUX.1-dev/blob/main/transformer/config.json",
         block_classes=("FluxTransformerBlock", "FluxSingleTransformerBlock"),
         lora_rank=128,
@@ -149,17 +166,7 @@ SPECS: tuple[ModelSpec, ...] = (
         name="Qwen-Image",
         library="diffusers",
         class_name="QwenImageTransformer2DModel",
-        config=dict(
-            patch_size=2,
-            in_channels=64,
-            out_channels=16,
-            num_layers=60,
-            attention_head_dim=128,
-            num_attention_heads=24,
-            joint_attention_dim=3584,
-            guidance_embeds=False,
-            axes_dims_rope=(16, 56, 56),
-        ),
+        config=QWEN_IMAGE_CONFIG,
         source="https://huggingface.co/Qwen/Qwen-Image/blob/main/transformer/config.json",
         block_classes=("QwenImageTransformerBlock",),
         lora_rank=32,
@@ -167,6 +174,54 @@ SPECS: tuple[ModelSpec, ...] = (
         tokens=32 * 32 + 256,
         micro_batch=8,
         workload="no shipped recipe: 512 px (1024 latent tokens), LoRA r32, micro-batch 8, 256 prompt tokens",
+    ),
+    ModelSpec(
+        name="FLUX.1-Kontext-dev",
+        library="diffusers",
+        class_name="FluxTransformer2DModel",
+        config=FLUX1_DEV_CONFIG,  # FLUX.1-dev's 12 B transformer; the reference image enters as tokens
+        source="https://huggingface.co/black-forest-labs/FLUX.1-Kontext-dev/blob/main/transformer/config.json",
+        block_classes=("FluxTransformerBlock", "FluxSingleTransformerBlock"),
+        lora_rank=64,
+        lora_targets=IMAGE_LORA_TARGETS,
+        tokens=64 * 64 + 64 * 64 + 512,
+        micro_batch=1,
+        workload="family flux_kontext at its published 1024 px (configs/t2i/real/kontext_edit.yaml trains at 512 px, "
+        "fp32): 8704 tokens per block = "
+        "4096 generated + 4096 reference-image latent tokens (the source image packed as the generated one) + 512 "
+        "T5 tokens, LoRA r64 (the recipe's), micro-batch 1",
+    ),
+    ModelSpec(
+        name="Qwen-Image-Edit",
+        library="diffusers",
+        class_name="QwenImageTransformer2DModel",
+        config=QWEN_IMAGE_CONFIG,  # Qwen-Image's 20 B transformer
+        source="https://huggingface.co/Qwen/Qwen-Image-Edit/blob/main/transformer/config.json",
+        block_classes=("QwenImageTransformerBlock",),
+        lora_rank=64,
+        lora_targets=IMAGE_LORA_TARGETS,
+        tokens=64 * 64 + 64 * 64 + 37 * 37 + 256,
+        micro_batch=1,
+        workload="family qwenimage_edit at its published 1024 px: 9817 tokens per block = "
+        "4096 generated + 4096 reference-image latent tokens + the text stream: 1369 Qwen2.5-VL tokens of the "
+        "source image (1024 px / 28 px per token = 37 x 37) + 256 prompt tokens, LoRA r64, micro-batch 1",
+    ),
+    ModelSpec(
+        name="Qwen-Image-Edit-2509",
+        library="diffusers",
+        class_name="QwenImageTransformer2DModel",
+        config=QWEN_IMAGE_CONFIG,
+        source="https://huggingface.co/Qwen/Qwen-Image-Edit-2509/blob/main/transformer/config.json",
+        block_classes=("QwenImageTransformerBlock",),
+        lora_rank=64,
+        lora_targets=IMAGE_LORA_TARGETS,
+        tokens=64 * 64 + 3 * 64 * 64 + 3 * 14 * 14 + 256,
+        micro_batch=1,
+        workload="family qwenimage_edit_plus at 1024 px with 3 input images (configs/t2i/real/qwenimage_edit_plus.yaml: "
+        "512 px), 17228 tokens "
+        "per block = 4096 generated + 3 x 4096 reference latent tokens (each image at 1024 px, the pipeline's "
+        "VAE_IMAGE_SIZE) + the text stream: 3 x 196 Qwen2.5-VL image tokens (384 px, CONDITION_IMAGE_SIZE) + 256 "
+        "prompt tokens, LoRA r64 (the recipe's), micro-batch 1",
     ),
     ModelSpec(
         name="FLUX.2-klein-4B",
@@ -420,6 +475,7 @@ def render_markdown(specs: tuple[ModelSpec, ...], facts: list[ModelFacts], rows:
 def check_counts(facts: list[ModelFacts]) -> None:
     """The meta-built models have the published sizes (guards the config dicts above)."""
     expected = {"FLUX.1-dev": 11.9e9, "SD3.5-Medium": 2.24e9, "Qwen-Image": 20.4e9, "Qwen2.5-7B": 7.62e9,
+                "FLUX.1-Kontext-dev": 11.9e9, "Qwen-Image-Edit": 20.4e9, "Qwen-Image-Edit-2509": 20.4e9,
                 "FLUX.2-klein-4B": 3.88e9, "FLUX.2-klein-9B": 9.08e9, "Z-Image-Turbo": 6.15e9}  # fmt: skip
     for f in facts:
         want = expected[f.name]

@@ -187,3 +187,20 @@ def test_docs_table_is_current_and_markers_are_required(tmp_path):
     text = doc.read_text()
     assert text.startswith("intro\n") and text.endswith("rest\n")
     assert "#### FLUX.1-dev" in text and "old" not in text
+
+
+def test_edit_models_count_their_reference_tokens(facts):
+    """Kontext is FLUX.1-dev's transformer, Qwen-Image-Edit(-2509) Qwen-Image's; their sequence holds the reference
+    image tokens (1024 px: 64 x 64 latent tokens per image) besides the generated ones and the text."""
+    specs = {s.name: s for s in mem.SPECS}
+    assert specs["FLUX.1-Kontext-dev"].config == specs["FLUX.1-dev"].config
+    assert specs["Qwen-Image-Edit"].config == specs["Qwen-Image-Edit-2509"].config == specs["Qwen-Image"].config
+    assert facts["FLUX.1-Kontext-dev"].params == facts["FLUX.1-dev"].params
+    latent = 64 * 64
+    assert facts["FLUX.1-Kontext-dev"].tokens == latent + latent + 512
+    assert facts["Qwen-Image-Edit"].tokens == latent + latent + 37 * 37 + 256
+    assert facts["Qwen-Image-Edit-2509"].tokens == latent + 3 * latent + 3 * 14 * 14 + 256
+    rows = mem.memory_table([facts[n] for n in ("FLUX.1-Kontext-dev", "Qwen-Image-Edit", "Qwen-Image-Edit-2509")])
+    assert {(r.model, r.mode) for r in rows if r.engine == "FSDP2"} == {
+        (n, m) for n in ("FLUX.1-Kontext-dev", "Qwen-Image-Edit", "Qwen-Image-Edit-2509") for m in mem.MODES
+    }
