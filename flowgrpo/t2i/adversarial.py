@@ -186,7 +186,7 @@ class AdversarialAlternation(ImageMethod):
             record.update(
                 assign_credit(
                     rollout.global_tree, rollout.leaf_values, rollout.probe_values, rollout.preferences, cfg,
-                    ctx.iteration,
+                    ctx.iteration, rollout.prompt_ids, rollout.prompt_state,
                 ).metrics
             )  # fmt: skip
         else:

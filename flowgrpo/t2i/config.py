@@ -15,6 +15,7 @@ from ..config import SettingError, load_config, output_dir_problem
 from ..guards import GuardConfig
 from ..core import AdvantageConfig, LossConfig, PartSpec, StrictModel
 from ..core.advantages import ESTIMATORS
+from ..core.prompt_state import PROMPT_SAMPLERS, STATEFUL_ESTIMATORS
 from ..run.config import CheckpointConfig, EMAConfig, OptimConfig, RatioCheckConfig, UpdateConfig
 from .methods import METHODS, method_class
 from .monitor_config import MonitorConfig, check_monitor
@@ -199,6 +200,9 @@ class T2IConfig(StrictModel):
     rewards: list[RewardConfig] = Field(default_factory=lambda: [RewardConfig(name="brightness")])
     reward_workers: int = Field(2, ge=1)
     advantage: AdvantageConfig = Field(default_factory=lambda: AdvantageConfig(**DEFAULTS["advantage"]))
+    # which prompts each step draws (flowgrpo.core.prompt_state.PROMPT_SAMPLERS), as in the text trainer: uniform
+    # (the seeded epoch permutation), spo (SPO's priorities from its value tracker), replay (Prompt Replay)
+    prompt_sampling: PartSpec = Field(default_factory=lambda: PartSpec(name="uniform"))
     loss: LossConfig = Field(default_factory=lambda: LossConfig(**DEFAULTS["loss"]))
     edges: EdgeConfig = Field(default_factory=EdgeConfig)
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(**DEFAULTS["optim"]))
@@ -230,6 +234,7 @@ class T2IConfig(StrictModel):
     @model_validator(mode="after")
     def _combinations(self) -> "T2IConfig":
         self.plan.check(PLANS, "plan")
+        self.prompt_sampling.check(PROMPT_SAMPLERS, "prompt_sampling")
         if not self.rewards:
             raise ValueError("rewards: at least one scorer is needed")
         if problem := output_dir_problem(self.output_dir):
@@ -253,6 +258,8 @@ class T2IConfig(StrictModel):
         if self.rollout_split > 1 and (problem := _split_problem(self, est, plan)):
             raise ValueError(f"rollout_split {self.rollout_split}: {problem}")
         needs = ESTIMATORS.get(est)
+        if problem := _prompt_state_problem(self, est):
+            raise ValueError(problem)
         if (self.edges.depth_pruning or self.edges.width_pruning) and plan != "tree":
             raise ValueError("edges: depth / width pruning are BranchGRPO options for the 'tree' plan")
         if self.plan.settings.get("post_compress") is not None and self.sampler.schedule.name != "time_shift":
@@ -292,6 +299,20 @@ class T2IConfig(StrictModel):
         if self.adversarial.enabled and self.adversarial.reward not in labels:
             raise ValueError(f"adversarial.reward '{self.adversarial.reward}' is not among rewards {labels}")
         return self
+
+
+# the methods whose advantages come from credit.assign_credit, which hands the per-prompt state to the estimator
+PROMPT_STATE_METHODS = ("grpo",)
+
+
+def _prompt_state_problem(cfg: T2IConfig, est: str) -> Optional[str]:
+    """A part that reads the per-prompt state (estimator spo, a prompt sampler but uniform) with a method that
+    does not feed it."""
+    sampling = cfg.prompt_sampling.name
+    if (est in STATEFUL_ESTIMATORS or sampling != "uniform") and cfg.method not in PROMPT_STATE_METHODS:
+        part = f"advantage estimator '{est}'" if est in STATEFUL_ESTIMATORS else f"prompt_sampling '{sampling}'"
+        return f"{part} reads the per-prompt state, which method {' or '.join(PROMPT_STATE_METHODS)} feeds, not '{cfg.method}'"
+    return None
 
 
 def _check_plan(cfg: T2IConfig) -> None:

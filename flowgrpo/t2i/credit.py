@@ -17,6 +17,7 @@ from torch import Tensor
 
 from ..core import GroupBatch, compute_advantages
 from ..core.advantages import ESTIMATORS, reward_metrics
+from ..core.prompt_state import PromptTable
 from .config import T2IConfig
 
 
@@ -57,8 +58,11 @@ def _siblings(tree, base: dict, probe_values: Optional[Tensor], preferences, cfg
     S, k, T = side.shape
     side = side.view(P, S // P * k, T) if S else side.view(P, 0, T)
     step_r = torch.where(side >= 0, node_r[side.clamp_min(0)], torch.full(side.shape, float("nan")))
-    sib = {key: v for key, v in base.items() if key != "rewards"}
+    sib = {key: v for key, v in base.items() if key not in ("rewards", "prompt_ids", "prompt_state")}
     result = compute_advantages(GroupBatch(**sib, step_rewards=step_r, step_mask=side >= 0), cfg.advantage)
+    if plain.prompt_state is not None and plain.prompt_ids is not None:  # the prompt samplers' statistics
+        r = plain.scalar_rewards()  # of the final images: the sibling batch has none
+        plain.prompt_state.observe(plain.prompt_ids, r, plain.usable(r), plain.step or 0)
     result.metrics.update(reward_metrics(plain))
     return result.advantages, result.sample_weight, side, result.metrics
 
@@ -96,7 +100,11 @@ def assign_credit(
     preferences: Optional[Tensor],
     cfg: T2IConfig,
     iteration: int,
+    prompt_ids: Optional[Tensor] = None,
+    prompt_state: Optional[PromptTable] = None,
 ) -> Credit:
+    """prompt_ids [P]: each group's dataset row, with the run's per-prompt state (prompt_state.py), where a part
+    reads it (estimator spo, a prompt sampler): the estimator reads and updates it, and it records each group."""
     P, L = tree.leaves.shape
     K = leaf_values.shape[-1]
     reads = ESTIMATORS.get(cfg.advantage.estimator.name).reads  # the one dispatch on what the estimator reads
@@ -106,6 +114,8 @@ def assign_credit(
         reward_names=[r.label for r in cfg.rewards],
         head_nan_policy=cfg.advantage.head_nan_policy,
     )
+    if prompt_state is not None:  # only then: a run without it builds the batch it always built
+        base.update(prompt_ids=prompt_ids, prompt_state=prompt_state, step=iteration + 1)
     N = tree.num_nodes
     if reads == "tree":  # leaf rewards fused up the tree: one advantage per node
         structure, local = tree.tree_structure()

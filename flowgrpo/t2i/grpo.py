@@ -72,7 +72,7 @@ class GRPOMethod(ImageMethod):
         """One advantage per trained edge (GARDO's plug-in overrides it: flowgrpo/t2i/gardo_methods.py)."""
         return assign_credit(
             rollout.global_tree, rollout.leaf_values, rollout.probe_values, rollout.preferences, self.ctx.cfg,
-            self.ctx.iteration,
+            self.ctx.iteration, rollout.prompt_ids, rollout.prompt_state,
         )  # fmt: skip
 
     def _passes(self, credit: Credit, rollout: ScoredRollout) -> Iterator[Iterator[MiniBatch]]:

@@ -46,6 +46,8 @@ class ScoredRollout:
     prompts: list[str]  # this rank's prompts, in local tree order
     batch_prompts: Any  # every prompt of the step, all ranks (flowgrpo.t2i.data.PromptSet)
     nodes_per_chunk: int  # nodes of one rollout batch (global <-> local edge ids)
+    prompt_ids: Optional[Tensor] = None  # [P] the dataset row of each of batch_prompts (with prompt_state)
+    prompt_state: Any = None  # the run's per-prompt state (flowgrpo.core.prompt_state.PromptTable), if a part reads it
 
 
 class ImageMethod(Method):

@@ -24,6 +24,7 @@ import torch
 
 from ..checkpoint import Checkpoint, load_into
 from ..config import ConfigError
+from ..core.prompt_state import build_prompt_state, prompt_policy
 from ..scaling.sharding import full_state
 from ..run.clock import seconds_since
 from ..run import CheckpointParts, OptimizerStep, PromptSampler, RunLoop, build_ema, build_optimizer
@@ -90,6 +91,10 @@ class T2ITrainer(RunLoop):
             )
         )  # fmt: skip
         self.prompt_sampler = PromptSampler(len(self.prompts), cfg.seed, cfg.data.shuffle)
+        # per-prompt state across steps (SPO's tracker, Prompt Replay's buffer): None unless a part reads it
+        sampling = cfg.prompt_sampling
+        self.prompt_state = build_prompt_state(len(self.prompts), cfg.advantage.estimator.name, sampling.name)
+        self.prompt_sampler.policy = prompt_policy(self.prompt_state, sampling.name, sampling.settings, cfg.seed)
         self.trackers: artifacts.Trackers | None = None  # rank 0 opens them with its first record
         self.monitor = HackingMonitor(cfg, self)  # reward-hacking monitor: gold scorers, image statistics, alarm
         if cfg.resume:
@@ -108,6 +113,8 @@ class T2ITrainer(RunLoop):
             parts.tensors["ema"] = self._named(self.ema.model.shadow_params)
             parts.state["ema_optimization_step"] = self.ema.model.optimization_step
             parts.state["ema_clock"] = self.ema.clock
+        if self.prompt_state is not None:  # float64 tensors: restored exactly
+            parts.tensors["prompt_state"] = self.prompt_state.state_dict()
         self.method.checkpoint_parts(parts)
         parts.state["monitor"] = self.monitor.state_dict()
         return parts
@@ -123,6 +130,10 @@ class T2ITrainer(RunLoop):
         self.method.restore(ckpt)
         self.monitor.load_state_dict(ckpt.state.get("monitor"))
         self.prompt_sampler.load_state_dict(ckpt.state["prompts"])
+        if self.prompt_state is not None:
+            if "prompt_state" not in ckpt.tensors:
+                raise ConfigError("resume: the checkpoint has no prompt state (written without a part that reads one)")
+            self.prompt_state.load_state_dict(ckpt.tensors["prompt_state"])
         self.optimizer_step.total = ckpt.state["optimizer_steps"]
 
     # --- rollout and rewards -----------------------------------------------------------------------
@@ -219,12 +230,15 @@ class T2ITrainer(RunLoop):
         cfg = self.cfg
         self.monitor.baseline()  # once, before the first update
         nfe0 = self.sampler.counters.as_dict()
-        batch_prompts = self.prompts.take(self.prompt_sampler.next(cfg.prompts_per_iteration))
+        rows = self.prompt_sampler.next(cfg.prompts_per_iteration)
+        batch_prompts = self.prompts.take(rows)
         plan = build_plan(cfg.plan.name, cfg.sampler.num_steps, self.iteration, cfg.seed, **cfg.plan.settings)
         record["plan/trained_steps"] = len(plan.trained_steps)
         rollout = self._collect(record, batch_prompts, plan, self._grid_due() or self.method.needs_images)
         leaf, probe = self.guard.rewards(record, rollout.leaf_values, rollout.probe_values)  # +-inf -> NaN, counted
         rollout = replace(rollout, leaf_values=leaf, probe_values=probe)
+        if self.prompt_state is not None:  # the stateful parts: each group's dataset row and the run's prompt table
+            rollout = replace(rollout, prompt_ids=torch.tensor(rows), prompt_state=self.prompt_state)
 
         t0 = time.perf_counter()
         self.optimizer_step.begin()
