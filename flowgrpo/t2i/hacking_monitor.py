@@ -85,7 +85,8 @@ class HackingMonitor:
         self.cfg, self.host = cfg, host
         self.m: MonitorConfig = cfg.monitor
         self.enabled = self.m.enabled
-        self.history: list[dict[str, Any]] = []
+        self.history: list[dict[str, Any]] = []  # rank 0's (it scores); the others keep only `last_evaluated`
+        self.last_evaluated: Optional[int] = None  # every rank: when to evaluate must not depend on the history
         self.best: Optional[dict[str, Any]] = None
         self.fired: Optional[dict[str, Any]] = None  # the first evaluation that raised the alarm
         self.alarm_now = False
@@ -110,7 +111,7 @@ class HackingMonitor:
 
     def baseline(self) -> None:
         """Before the first update (the start of an iteration): the baseline evaluation, once."""
-        if self.enabled and not self.history:
+        if self.enabled and self.last_evaluated is None:
             self._evaluate(self.host.iteration, None)
 
     def step(self, record: dict[str, Any], iteration: int) -> None:
@@ -118,7 +119,7 @@ class HackingMonitor:
         if (
             self.enabled
             and iteration % self.m.every == 0
-            and (not self.history or self.history[-1]["iteration"] < iteration)
+            and (self.last_evaluated is None or self.last_evaluated < iteration)
         ):
             self._evaluate(iteration, record)
 
@@ -140,12 +141,17 @@ class HackingMonitor:
         return {"gap": f"{gap:.2f}"} if gap is not None and math.isfinite(gap) else {}
 
     def state_dict(self) -> dict[str, Any]:
-        return _clean({"history": self.history, "best": self.best, "fired": self.fired, "alarm_now": self.alarm_now})
+        return _clean({"history": self.history, "best": self.best, "fired": self.fired, "alarm_now": self.alarm_now,
+                       "last_evaluated": self.last_evaluated})  # fmt: skip
 
     def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
         if state:
             self.history, self.best = list(state.get("history") or []), state.get("best")
             self.fired, self.alarm_now = state.get("fired"), bool(state.get("alarm_now"))
+            last = state.get("last_evaluated")
+            if last is None and self.history:  # a checkpoint from before last_evaluated was saved
+                last = self.history[-1]["iteration"]
+            self.last_evaluated = None if last is None else int(last)
 
     def close(self) -> None:
         if self.gold is not None:
@@ -184,6 +190,7 @@ class HackingMonitor:
 
     def _evaluate(self, iteration: int, record: Optional[dict[str, Any]]) -> None:
         t0 = time.perf_counter()
+        self.last_evaluated = iteration
         dist = self.host.dist
         images = self._images() if dist.is_main or dist.gathers_weights else None
         verdict: dict[str, Any] = {"alarm": False, "metrics": {}}
