@@ -52,10 +52,12 @@ def run_script(script: str, args: list[str], env: dict[str, str], stderr_path: s
     runpy.run_path(script, run_name="__main__")  # the script's own sys.exit(code) ends the rank with its code
 
 
-def run_cli_main(argv: list[str], env: dict[str, str], cwd: str, stdout_path: str, stderr_path: str) -> None:
+def run_cli_main(
+    argv: list[str], env: dict[str, str], cwd: str, stdout_path: str, stderr_path: str, prelude: str = ""
+) -> None:
     """The body of a forked `flowgrpo argv...` (tests/reliability/cli_helpers.py): its environment and folder,
-    stdout and stderr into files, `main`'s return value as the exit code (an uncaught error: 1 and its traceback,
-    as in a fresh interpreter)."""
+    stdout and stderr into files, `prelude` (Python: a test's injected fault) run first, `main`'s return value as
+    the exit code (an uncaught error: 1 and its traceback, as in a fresh interpreter)."""
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
@@ -63,6 +65,8 @@ def run_cli_main(argv: list[str], env: dict[str, str], cwd: str, stdout_path: st
     sys.stderr.flush()
     os.dup2(os.open(stdout_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 1)
     os.dup2(os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+    if prelude:
+        exec(compile(prelude, "<prelude>", "exec"), {"__name__": "__prelude__"})
     from flowgrpo.cli import main
 
     sys.argv = ["flowgrpo", *argv]

@@ -26,11 +26,14 @@ importlib.machinery.PathFinder.find_spec = classmethod(_hidden)
 
 
 def run_cli(
-    *argv: str, cwd: Path, bare: bool = False, timeout: float = 600, env: dict | None = None
+    *argv: str, cwd: Path, bare: bool = False, timeout: float = 600, env: dict | None = None, prelude: str = ""
 ) -> subprocess.CompletedProcess:
-    """`flowgrpo argv...` in `cwd`; returns the finished process (text stdout / stderr)."""
+    """`flowgrpo argv...` in `cwd`, `prelude` (Python, e.g. an injected fault) run first in that process; returns
+    the finished process (text stdout / stderr)."""
     if not bare and env is None:
-        return _forked(list(argv), cwd, timeout)
+        return _forked(list(argv), cwd, timeout, prelude)
+    if prelude:
+        raise ValueError("a prelude runs in the forked process only (not bare, no env)")
     code = (
         _HIDE_TORCHVISION if bare else ""
     ) + "import sys\nfrom flowgrpo.cli import main\nsys.exit(main(sys.argv[1:]))\n"
@@ -40,7 +43,7 @@ def run_cli(
     )
 
 
-def _forked(argv: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+def _forked(argv: list[str], cwd: Path, timeout: float, prelude: str = "") -> subprocess.CompletedProcess:
     import tempfile
 
     import rank_process
@@ -49,7 +52,7 @@ def _forked(argv: list[str], cwd: Path, timeout: float) -> subprocess.CompletedP
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     with tempfile.TemporaryDirectory() as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        proc = ctx.Process(target=rank_process.run_cli_main, args=(argv, env, str(cwd), str(out), str(err)))
+        proc = ctx.Process(target=rank_process.run_cli_main, args=(argv, env, str(cwd), str(out), str(err), prelude))
         proc.start()
         proc.join(timeout)
         if proc.is_alive():

@@ -7,7 +7,6 @@ final model export."""
 import errno
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ import pytest
 from flowgrpo.checkpoint import list_checkpoints, verify_checkpoint
 from flowgrpo.metrics import read_metrics
 
-from .cli_helpers import ROOT, one_line_error
+from .cli_helpers import ROOT, one_line_error, run_cli
 
 TEXT = str(ROOT / "configs/text/tiny_pattern.yaml")
 T2I = str(ROOT / "configs/t2i/tiny/flow_grpo.yaml")
@@ -31,15 +30,13 @@ def full(filename=None):
 
 
 def _run(command: str, config: str, out: Path, *extra: str, fault: str = "") -> subprocess.CompletedProcess:
-    """`flowgrpo <command> <config> output_dir=<out> <extra>` in a fresh process, with `fault` (Python run first)."""
-    code = PREAMBLE + fault + "\nfrom flowgrpo.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    """`flowgrpo <command> <config> output_dir=<out> <extra>` in its own (forked) process, with `fault` (Python
+    run first there: it patches the already imported modules, so a fault replaces a module attribute that the
+    code looks up when it writes)."""
     argv = [command, config, "progress=false", f"output_dir={out}", *extra]
     if command == "train-t2i":
         argv += ["artifacts.tensorboard=false"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        [sys.executable, "-c", code, *argv], cwd=out.parent, env=env, capture_output=True, text=True, timeout=600
-    )
+    return run_cli(*argv, cwd=out.parent, prelude=PREAMBLE + fault)
 
 
 def _checkpoints(out: Path) -> list[str]:
