@@ -159,19 +159,13 @@ class HackingMonitor:
 
     # --- one evaluation ------------------------------------------------------------------------------
 
-    @torch.no_grad()
-    def _images(self) -> Optional[torch.Tensor]:
-        from pipelines.plans import build_plan
-        from pipelines.sampler import Sampler
-
-        cfg, host = self.cfg, self.host
-        steps = self.m.num_steps or cfg.eval.num_steps or cfg.sampler.num_steps
-        update = {"num_steps": steps, "keep_means": False, "share_noise": False, "share_noise_size": None}
-        sampler = Sampler(cfg.sampler.model_copy(update=update))
-        with host._ema_weights(self.m.use_ema):
-            gen = torch.Generator().manual_seed(self.m.seed)
-            tree = sampler.run(host.adapter, self.prompts, build_plan("ode_only", steps), self.m.images_per_prompt, gen)
-            return host.adapter.decode(tree.leaf_latents().flatten(0, 1)).float().cpu()
+    def _images(self) -> torch.Tensor:
+        cfg, m = self.cfg, self.m
+        steps = m.num_steps or cfg.eval.num_steps or cfg.sampler.num_steps
+        images = self.host.ode_images(
+            self.prompts, steps, m.images_per_prompt, m.seed, m.use_ema, share_noise=False, share_noise_size=None
+        )
+        return images.float().cpu()
 
     def _score(self, images: torch.Tensor) -> tuple[dict[str, float], dict[str, float]]:
         n = self.m.images_per_prompt

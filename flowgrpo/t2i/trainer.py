@@ -274,19 +274,29 @@ class T2ITrainer(RunLoop):
     # --- evaluation, trackers, the end of the run --------------------------------------------------
 
     @torch.no_grad()
-    def evaluate(self, tag: str) -> dict[str, float]:
-        """Deterministic ODE samples on the held-out prompts (EMA weights if kept); mean rewards."""
+    def ode_images(
+        self, prompts: list[str], steps: int, per_prompt: int, seed: int, use_ema: bool, **sampler: Any
+    ) -> torch.Tensor:
+        """Deterministic ODE samples of `prompts` from a fixed seed (EMA weights when kept and `use_ema`), decoded:
+        the held-out evaluation's and the hacking monitor's images. `sampler`: further SamplerConfig changes."""
         from pipelines.plans import build_plan
         from pipelines.sampler import Sampler
 
+        update = {"num_steps": steps, "keep_means": False, **sampler}
+        with self._ema_weights(use_ema):
+            tree = Sampler(self.cfg.sampler.model_copy(update=update)).run(
+                self.adapter, prompts, build_plan("ode_only", steps), per_prompt, torch.Generator().manual_seed(seed)
+            )
+            return self.adapter.decode(tree.leaf_latents().flatten(0, 1))
+
+    @torch.no_grad()
+    def evaluate(self, tag: str) -> dict[str, float]:
+        """Deterministic ODE samples on the held-out prompts (EMA weights if kept); mean rewards."""
         cfg = self.cfg
         steps = cfg.eval.num_steps or cfg.sampler.num_steps
-        sampler = Sampler(cfg.sampler.model_copy(update={"num_steps": steps, "keep_means": False}))
-        plan = build_plan("ode_only", steps)
-        with self._ema_weights(cfg.eval.use_ema):
-            gen = torch.Generator().manual_seed(cfg.eval.seed)
-            tree = sampler.run(self.adapter, self.eval_prompts.prompts, plan, cfg.eval.images_per_prompt, gen)
-            images = self.adapter.decode(tree.leaf_latents().flatten(0, 1))
+        images = self.ode_images(
+            self.eval_prompts.prompts, steps, cfg.eval.images_per_prompt, cfg.eval.seed, cfg.eval.use_ema
+        )
         if not self.dist.is_main:  # a sharded run's other ranks only took part in the forwards
             return {}
         n = cfg.eval.images_per_prompt
