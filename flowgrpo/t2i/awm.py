@@ -24,9 +24,8 @@ CFG training forward (the recipes train without CFG) and the ELBO KL weight.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterator, Literal, Optional
+from typing import Any, Callable, ContextManager, Literal, Optional
 
 import torch
 from pydantic import Field
@@ -36,6 +35,7 @@ from ..config import ConfigError
 from ..core import GroupBatch, StrictModel, compute_advantages
 from ..run.update import MiniBatch, MicroLoss, pass_generator, record_update, run_update
 from .methods import METHODS, ImageContext, ImageMethod, ScoredRollout
+from .extra_lora import active_lora, add_frozen_lora
 
 TimeSampling = Literal["discrete", "discrete_wo_init", "logit_normal"]
 EMA_ADAPTER = "awm_ema"
@@ -129,20 +129,6 @@ def blend(target: list[Tensor], source: list[Tensor], decay: float) -> None:
     """target <- decay target + (1 - decay) source."""
     for t, s in zip(target, source):
         t.lerp_(s.detach().to(t.dtype), 1 - decay)
-
-
-@contextlib.contextmanager
-def ema_adapter(adapter: Any) -> Iterator[Any]:
-    """The denoiser with the EMA adapter active; the trained adapter active and alone trainable again after."""
-    adapter.denoiser.set_adapter(EMA_ADAPTER)
-    try:
-        yield adapter
-    finally:
-        adapter.denoiser.set_adapter("default")
-        for p in adapter.lora_parameters("default"):
-            p.requires_grad_(True)
-        for p in adapter.lora_parameters(EMA_ADAPTER):
-            p.requires_grad_(False)
 
 
 # --- the plug-in ---------------------------------------------------------------------------------
@@ -327,19 +313,7 @@ class AWMMethod(MatchingMethod):
         """The EMA policy of the EMA-KL term: a second LoRA adapter, frozen (before sharding)."""
         if cfg.awm.ema_kl_coef == 0:
             return
-        lora = cfg.model.lora
-        adapter.add_lora(
-            rank=lora.rank,
-            alpha=lora.alpha,
-            init=lora.init,
-            target_modules=lora.target_modules,
-            adapter_name=EMA_ADAPTER,
-        )
-        adapter.denoiser.set_adapter("default")
-        for p in adapter.lora_parameters("default"):
-            p.requires_grad_(True)
-        for p in adapter.lora_parameters(EMA_ADAPTER):
-            p.requires_grad_(False)
+        add_frozen_lora(adapter, cfg.model.lora, EMA_ADAPTER)
 
     @staticmethod
     def check_config(cfg: Any) -> None:
@@ -356,7 +330,7 @@ class AWMMethod(MatchingMethod):
         out = super().extra_velocities()
         s = self.ctx.cfg.awm
         if s.ema_kl_coef:
-            out.append((s.ema_kl_coef, lambda: ema_adapter(self.ctx.adapter), "awm/ema_kl_mean"))
+            out.append((s.ema_kl_coef, lambda: active_lora(self.ctx.adapter, EMA_ADAPTER), "awm/ema_kl_mean"))
         return out
 
     def coefficients(self, rollout: ScoredRollout, record: dict[str, Any]) -> tuple[Tensor, Tensor]:

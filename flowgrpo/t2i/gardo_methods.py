@@ -21,7 +21,7 @@ from .credit import Credit
 from .gardo import ReferenceSchedule, RiskController, gardo_advantages, gate, image_features, uncertainty
 from .grpo import GRPOMethod
 from .methods import METHODS, ImageContext, ScoredRollout
-from .model import active_lora
+from .extra_lora import active_lora, add_frozen_lora
 from .nft import NFTMethod
 from .objectives import EdgeBatch, EdgeLoss, EdgeObjective
 
@@ -33,14 +33,7 @@ def add_reference_adapter(adapter: Any, cfg: Any) -> None:
     """The reference's LoRA adapter, frozen, the trained one active (before sharding)."""
     if cfg.gardo.kl_coef == 0:
         return
-    lora = cfg.model.lora
-    adapter.add_lora(rank=lora.rank, alpha=lora.alpha, init=lora.init, target_modules=lora.target_modules,
-                     adapter_name=REF)  # fmt: skip
-    adapter.denoiser.set_adapter("default")
-    for p in adapter.lora_parameters("default"):
-        p.requires_grad_(True)
-    for p in adapter.lora_parameters(REF):
-        p.requires_grad_(False)
+    add_frozen_lora(adapter, cfg.model.lora, REF)
 
 
 def check_gardo(cfg: Any) -> None:

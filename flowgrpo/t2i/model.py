@@ -120,34 +120,3 @@ def reference_context(adapter, cfg: ImageModelConfig, needed: bool):
     if cfg.finetune == "full":
         return FrozenCopyReference(adapter)
     return adapter.reference
-
-
-def _lora_layers(adapter) -> tuple[list, list[torch.nn.Parameter]]:
-    """The denoiser's peft LoRA layers and their adapter weights, found once per adapter (walking every module
-    on each switch cost DiffusionNFT several ms per iteration on tiny models)."""
-    found = getattr(adapter, "_lora_layers", None)
-    if found is None:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
-        layers = [m for m in adapter.denoiser.modules() if isinstance(m, BaseTunerLayer)]
-        weights = [p for m in layers for name in m.adapter_layer_names for p in getattr(m, name).parameters()]
-        found = adapter._lora_layers = (layers, weights)
-    return found
-
-
-@contextlib.contextmanager
-def active_lora(adapter, name: str) -> Iterator:
-    """Run with LoRA adapter `name` active (DiffusionNFT's old policy), restoring trainability after. Switches
-    the LoRA layers themselves (what diffusers' `set_adapter` does for a single adapter, without its checks
-    and module walk on every call)."""
-    layers, weights = _lora_layers(adapter)
-    flags = [(p, p.requires_grad) for p in weights]  # peft's switch marks the active adapter trainable
-    for m in layers:
-        m.set_adapter(name)
-    try:
-        yield adapter
-    finally:
-        for m in layers:
-            m.set_adapter("default")
-        for p, flag in flags:
-            p.requires_grad_(flag)

@@ -21,7 +21,7 @@ from ..config import ConfigError
 from ..core import TRANSFORMS, GroupBatch, compute_advantages
 from ..run.update import MiniBatch, MicroLoss, pass_generator, run_update
 from .methods import METHODS, ImageContext, ImageMethod, ScoredRollout
-from .model import active_lora
+from .extra_lora import active_lora, add_frozen_lora
 
 
 def _adaptive_x0_loss(x0_hat: Tensor, x0: Tensor) -> Tensor:
@@ -73,15 +73,7 @@ class NFTMethod(ImageMethod):
     def prepare_model(adapter: Any, cfg: Any) -> None:
         """The old policy's adapter, frozen; the trained one stays active (before sharding: FSDP2 manages the
         parameters present when it wraps a block)."""
-        lora = cfg.model.lora
-        adapter.add_lora(
-            rank=lora.rank, alpha=lora.alpha, init=lora.init, target_modules=lora.target_modules, adapter_name="old"
-        )
-        adapter.denoiser.set_adapter("default")
-        for p in adapter.lora_parameters("default"):
-            p.requires_grad_(True)
-        for p in adapter.lora_parameters("old"):
-            p.requires_grad_(False)
+        add_frozen_lora(adapter, cfg.model.lora, "old")
 
     def __init__(self, ctx: ImageContext) -> None:
         super().__init__(ctx)
