@@ -60,6 +60,7 @@ class GenerateInput(StrictModel):
     shift: Optional[float] = Field(default=None, gt=0)  # None: the model's scheduler config decides
     height: int = Field(default=512, ge=8)
     width: int = Field(default=512, ge=8)
+    fps: int = Field(default=16, ge=1, le=240)  # a video family's clips (wan): frames per second of the files
     seed: int = Field(default=0, ge=0, lt=2**63)  # torch generators take [0, 2**63)
     batch_size: int = Field(default=4, ge=1)  # prompts per sampler call (each with images_per_prompt images)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"

@@ -11,6 +11,9 @@ sources.py), read with the trainer's loader and brought to height x width; the r
 (`<row>_src<k>.png`) and listed in the metadata "images", so scorers get metadata["source_images"] and the
 report shows source and edit side by side. A text-to-image family given image rows, or an editing family
 given plain prompts, is a one-line error before any model loads.
+
+A video family (wan) decodes clips: each is saved as `<row>_<k>.mp4` (H.264 through PyAV; an animated `.webp`
+without it, flowgrpo.video_io) at `fps` frames per second, and scored from that file.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from tqdm.auto import tqdm
 
 from ..config import ConfigError
 from ..t2i.edit_data import SOURCE_KEY, ImageSpec, check_family
+from ..video_io import write_video
 from .config import GenerateInput
 from .sources import SOURCES, EvaluationError, Sample, assign_indices, prompt_set
 
@@ -117,14 +121,18 @@ def generate_images(cfg: GenerateInput, run_dir: str | Path, progress: bool = Tr
         saved = {p: _save_sources(row, images_dir, f"{p:0{width}d}") for p, row in enumerate(chunk, start)}
         tree = sampler.run(adapter, [r.prompt for r in chunk], plan, k, generator)
         latents = tree.leaf_latents().flatten(0, 1)  # [P*k, C, h, w], prompt-major
-        pixels = []
+        pixels: list = []
         with torch.no_grad():
             for part in latents.split(max(1, cfg.batch_size)):
-                pixels.append(to_uint8_hwc(adapter.decode(part)))
+                decoded = adapter.decode(part)  # images [B, 3, H, W] or a video family's clips [B, F, 3, H, W]
+                pixels.append(list(decoded) if decoded.ndim == 5 else to_uint8_hwc(decoded))
         for j, array in enumerate(a for block in pixels for a in block):
             p, g = start + j // k, j % k
             name = f"{p:0{width}d}_{g:02d}.png"
-            Image.fromarray(array).save(images_dir / name)
+            if isinstance(array, torch.Tensor):  # a clip [F, 3, H, W]: .mp4, or .webp without PyAV
+                name = write_video(array, images_dir / name, cfg.fps).name
+            else:
+                Image.fromarray(array).save(images_dir / name)
             row = expanded[p * k + g]
             meta = {key: v for key, v in row.metadata.items() if key != SOURCE_KEY}
             if saved[p]:

@@ -1,7 +1,7 @@
 """The report's "Reward-hacking indicators" section: the image statistics of flowgrpo/t2i/image_stats.py over a run's
 images (saturation, clipped pixels, grid8 / grid16 and high-frequency energy; diversity over the images of each
-prompt), the baseline's beside them in a comparison, and, when the evaluated LoRA comes from a training run, that
-run's monitor verdict (its monitor.json: the alarm, why it fired, the best-gold iteration).
+prompt; of a video its middle frame), the baseline's beside them in a comparison, and, when the evaluated LoRA comes
+from a training run, that run's monitor verdict (its monitor.json: the alarm, why it fired, the best-gold iteration).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..video_io import is_video, read_video
 from .results import Run
 
 MAX_SIDE = 256  # images are scored at most this large (longest side): statistics of the look, not of every pixel
@@ -30,11 +31,15 @@ def run_stats(run: Run) -> dict[str, float]:
     sums: dict[str, list[float]] = defaultdict(list)
     for i, sample in enumerate(run.samples):
         try:
-            with Image.open(run.path(i)) as im:
-                im = im.convert("RGB")
-                im.thumbnail((MAX_SIDE, MAX_SIDE))
-                x = torch.from_numpy(np.asarray(im, dtype=np.float32) / 255.0).permute(2, 0, 1)[None]
-        except OSError:
+            if is_video(run.path(i)):  # a clip: the statistics of its middle frame
+                frames = read_video(run.path(i))
+                im = Image.fromarray(frames[len(frames) // 2])
+            else:
+                with Image.open(run.path(i)) as opened:
+                    im = opened.convert("RGB")
+            im.thumbnail((MAX_SIDE, MAX_SIDE))
+            x = torch.from_numpy(np.asarray(im, dtype=np.float32) / 255.0).permute(2, 0, 1)[None]
+        except (OSError, ValueError):  # unreadable (or an .mp4 without PyAV): left out
             continue
         for k, v in image_stats(x, 1).items():
             if k != "diversity":

@@ -11,6 +11,11 @@ data-images-loaded / data-images-total / data-images-ok once every <img> has dec
 An edit (a sample whose metadata "images" names its input images) is shown as one row: its source image(s),
 then the edit (in a comparison: source(s), A, B); the script also counts the rows whose first source is laid
 out left of the edit on one line (data-edit-rows / data-edit-rows-beside).
+
+Videos (a run of clips, flowgrpo/video_io.py) are not embedded: the report links the files where they lie (a
+generated run's `images/` beside the report) by relative paths, an MP4 in `<video controls loop muted>`, an animated
+WebP in an `<img>`; move the folder as a whole. The script also marks <body> with data-videos-total /
+data-videos-loaded / data-videos-ok (a video counts once it has a frame to show: readyState >= 2, videoWidth > 0).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import base64
 import html
 import io
 import math
+import os
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -26,6 +32,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 from PIL import Image
 from tqdm.auto import tqdm
+
+from ..video_io import is_video
 
 from .config import ReportConfig
 from .hacking import hacking_section
@@ -43,6 +51,7 @@ th:first-child, td:first-child { text-align: left; }
 th { background: #f2f2f5; }
 .grid { display: flex; flex-wrap: wrap; gap: 10px; }
 figure { margin: 0; width: var(--thumb); }
+figure video { width: var(--thumb); height: auto; display: block; border: 1px solid #ddd; }
 figure img { width: var(--thumb); height: auto; display: block; image-rendering: pixelated; border: 1px solid #ddd; }
 figcaption { font-size: 0.78em; line-height: 1.25; margin-top: 3px; word-wrap: break-word; }
 figcaption .score { font-weight: 600; } figcaption .file { color: #888; }
@@ -72,6 +81,18 @@ window.addEventListener('load', function () {
   });
   document.body.setAttribute('data-edit-rows', String(edits.length));
   document.body.setAttribute('data-edit-rows-beside', String(beside));
+  markVideos();
+});
+function markVideos() {
+  var videos = Array.prototype.slice.call(document.querySelectorAll('video'));
+  var ok = videos.filter(function (v) { return v.readyState >= 2 && v.videoWidth > 0; }).length;
+  document.body.setAttribute('data-videos-total', String(videos.length));
+  document.body.setAttribute('data-videos-loaded', String(ok));
+  document.body.setAttribute('data-videos-ok', ok === videos.length ? 'true' : 'false');
+}
+Array.prototype.forEach.call(document.querySelectorAll('video'), function (v) {
+  v.addEventListener('loadeddata', markVideos);
+  v.addEventListener('error', markVideos);
 });
 """
 
@@ -91,8 +112,9 @@ def fmt(value: Any) -> str:
 class Thumbnails:
     """Embedded thumbnails, each image encoded once."""
 
-    def __init__(self, size: int, fmt: str = "jpeg"):
+    def __init__(self, size: int, fmt: str = "jpeg", base: Optional[Path] = None):
         self.size, self.fmt = size, fmt
+        self.base = base  # the report's folder: videos are linked relative to it
         self._cache: dict[Path, Optional[str]] = {}
 
     def uri(self, path: Path) -> Optional[str]:
@@ -111,13 +133,29 @@ class Thumbnails:
                 self._cache[path] = None  # shown as a "missing" box, not a broken <img>
         return self._cache[path]
 
+    def link(self, path: Path) -> str:
+        """A URL of `path` relative to the report's folder (absolute without one)."""
+        from urllib.parse import quote
+
+        if self.base is None:
+            return path.resolve().as_uri()
+        return quote(Path(os.path.relpath(path.resolve(), self.base.resolve())).as_posix())
+
     def figure(self, path: Path, caption: str, title: str = "", cls: str = "") -> str:
-        uri = self.uri(path)
-        img = (
-            f'<img src="{uri}" alt="{_e(path.name)}" loading="eager">'
-            if uri
-            else f'<div class="missing">missing: {_e(path.name)}</div>'
-        )
+        if path.is_file() and is_video(path):  # linked, not embedded
+            link = self.link(path)
+            img = (
+                f'<video src="{link}" controls loop muted preload="auto" title="{_e(path.name)}"></video>'
+                if path.suffix.lower() == ".mp4"
+                else f'<img src="{link}" alt="{_e(path.name)}" loading="eager">'  # an animated WebP / GIF
+            )
+        else:
+            uri = self.uri(path)
+            img = (
+                f'<img src="{uri}" alt="{_e(path.name)}" loading="eager">'
+                if uri
+                else f'<div class="missing">missing: {_e(path.name)}</div>'
+            )
         klass = f' class="{cls}"' if cls else ""
         return f'<figure{klass} title="{_e(title)}">{img}<figcaption>{caption}</figcaption></figure>'
 
@@ -267,7 +305,7 @@ def build_report(
     progress: bool = False,
 ) -> str:
     """The report of run B (and its comparison with run A when given) as one HTML string."""
-    thumbs = Thumbnails(cfg.thumbnail_size, cfg.thumbnail_format)
+    thumbs = Thumbnails(cfg.thumbnail_size, cfg.thumbnail_format, run_b.root)  # the report lies in run B's folder
     confidence = summary["stats"]["confidence"]
     title = cfg.title or f"Evaluation: {run_b.label}"
     comp = summary.get("comparison")

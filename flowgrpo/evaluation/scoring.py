@@ -6,6 +6,10 @@ used only in comparisons: for every matched pair they give P(run B's image beats
 
 An edit's input images (metadata "images": paths, see sources.py) are loaded for the scorers as
 metadata["source_images"]: per image, a list of uint8 [3, H, W] tensors (the edit scorers resize them).
+
+Videos (a run of .mp4 / animated .webp files, flowgrpo/video_io.py) are read back as clips, uint8
+[B, F, 3, H, W], and scored by video scorers (reward_models/video.py: per_frame wraps any image scorer); an image
+scorer given videos, a video scorer given images, or a run that mixes both is a one-line error.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import numpy as np
 from PIL import Image
 from tqdm.auto import tqdm
 
+from ..video_io import is_video, read_video
 from .config import ScorerSpec
 from .sources import SOURCES, EvaluationError, Sample
 
@@ -85,6 +90,50 @@ def source_images(root: str | Path, sample: Sample) -> list:
     return out
 
 
+def holds_videos(root: str | Path, samples: Sequence[Sample]) -> bool:
+    """Whether the samples are videos (all of them) or images (all of them); a mix is an error."""
+    kinds = {is_video(resolve(root, s)) for s in samples}
+    if len(kinds) > 1:
+        raise EvaluationError(f"{root}: a run holds images or videos, not both")
+    return kinds == {True}
+
+
+def check_media(scorers: list, videos: bool, what: str = "pointwise") -> None:
+    """Video scorers for videos, image scorers for images: a one-line error naming the scorer otherwise."""
+    from reward_models.video import VideoScorer
+
+    for spec, scorer in scorers:
+        if videos and what == "pairwise":
+            raise EvaluationError(
+                f"pairwise scorer '{spec.name}' compares images, but the runs hold videos; compare videos with "
+                "pointwise video scorers"
+            )
+        if videos and not isinstance(scorer, VideoScorer):
+            raise EvaluationError(
+                f"scorer '{spec.name}' scores images, but the run holds videos; use a video scorer "
+                f"(per_frame, temporal_consistency, motion_magnitude), e.g. {{name: per_frame, reward: {spec.name}}}"
+            )
+        if not videos and isinstance(scorer, VideoScorer):
+            raise EvaluationError(f"scorer '{spec.name}' scores videos, but the run holds images")
+
+
+def load_clips(root: str | Path, samples: Sequence[Sample]):
+    """The samples' videos as one uint8 tensor [B, F, 3, H, W]."""
+    import torch
+
+    clips = []
+    for s in samples:
+        path = resolve(root, s)
+        try:
+            clips.append(torch.from_numpy(read_video(path)).permute(0, 3, 1, 2))
+        except (OSError, ValueError) as err:
+            raise EvaluationError(f"cannot read video {path}: {err}") from None
+    shapes = sorted({tuple(c.shape) for c in clips})
+    if len(shapes) > 1:
+        raise EvaluationError(f"{root}: videos scored together must have one shape [F, 3, H, W], got {shapes}")
+    return torch.stack(clips)
+
+
 def _numpy(t) -> np.ndarray:
     return t.detach().float().cpu().numpy().astype(np.float64)
 
@@ -101,10 +150,12 @@ def score_samples(
     n = len(samples)
     scores: dict[str, np.ndarray] = {}
     owner: dict[str, int] = {}
+    videos = holds_videos(root, samples)
+    check_media(scorers, videos)
     bar = tqdm(total=n, desc=desc, unit="img", disable=not progress)
     for start in range(0, n, batch_size):
         chunk = samples[start : start + batch_size]
-        images = load_images(root, chunk)
+        images = load_clips(root, chunk) if videos else load_images(root, chunk)
         prompts = [s.prompt for s in chunk]
         metadata = metadata_columns(chunk, root)
         for i, (spec, scorer) in enumerate(scorers):
@@ -134,6 +185,8 @@ def score_pairs(
     """{pairwise scorer name: float64 [M]}: P(image of B beats image of A) for each matched pair."""
     m = len(samples_a)
     out = {spec.name: np.full(m, np.nan) for spec, _ in scorers}
+    if scorers and (holds_videos(root_a, samples_a) or holds_videos(root_b, samples_b)):
+        check_media(scorers, True, "pairwise")  # the pairwise scorers compare images
     bar = tqdm(total=m, desc="compare", unit="pair", disable=not progress or not scorers)
     for start in range(0, m if scorers else 0, batch_size):
         a, b = samples_a[start : start + batch_size], samples_b[start : start + batch_size]

@@ -21,6 +21,9 @@ generation reads them with the trainer's loader (`edit_data.edit_prompt`: each i
 size, errors name file:line) and its rows become `EditPrompt`s; an image folder keeps the paths (made absolute)
 in the metadata "images". Scoring loads them into metadata["source_images"] (uint8 [3, H, W] tensors).
 
+Videos: a folder may hold clips instead (`.mp4`, animated `.webp` / `.gif`, as flowgrpo/video_io.py writes them),
+scored by video scorers (reward_models/video.py); one run holds images or videos, not both (scoring.py).
+
 Runs are matched for a comparison by (prompt, index), so that pair must be unique within a run.
 """
 
@@ -35,7 +38,7 @@ from typing import Any, Optional
 from ..config import ConfigError, read_text_file
 from ..t2i.edit_data import ImageSpec, edit_prompt, names_images
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".mp4")  # and videos (flowgrpo/video_io.py)
 _KNOWN_KEYS = ("file", "prompt", "index", "metadata")
 SOURCES = "images"  # metadata key of an edit's input image paths (absolute, or relative to the run folder)
 
