@@ -39,6 +39,7 @@ _BUILTIN_MODULES = (
     "reward_models.geneval",
     "reward_models.adversarial",
     "reward_models.video",
+    "reward_models.video_judge",
 )
 KINDS = ("pointwise", "pairwise")
 

@@ -30,7 +30,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
 
 from .base import Scorer
-from .wire import ImageTooLarge, WireError, decode_request, encode_scores, parse_json
+from .wire import ImageTooLarge, WireError, decode_request, decode_video_request, encode_scores, parse_json
 
 MAX_BODY_BYTES = 512 * 2**20
 _BUSY_BODY = b'{"error": "too many open connections; retry"}'
@@ -289,7 +289,13 @@ class RewardServer(LocalJSONServer):
             "key": s.key,
             "requires_prompts": bool(s.requires_prompts),
             "metadata_keys": list(s.metadata_keys),
+            "inputs": scorer_inputs(s),
         }
+
+
+def scorer_inputs(scorer: Scorer) -> str:
+    """What a scorer's requests carry: "videos" (a video scorer: clips [B, F, 3, H, W]) or "images"."""
+    return getattr(scorer, "inputs", "images")
 
 
 class RewardHandler(JSONHandler):
@@ -311,9 +317,15 @@ class RewardHandler(JSONHandler):
         payload = self._parse_json(body)
         if payload is None:
             return
+        wanted = scorer_inputs(self.server.scorer)
+        other = "images" if wanted == "videos" else "videos"
+        if isinstance(payload, dict) and wanted not in payload and other in payload:
+            self._reply(400, {"error": f"bad request: this server scores {wanted}; send '{wanted}', not '{other}'"})
+            return
         try:
             limits = self.server.limits
-            images, prompts, metadata = decode_request(payload, limits.max_pixels, limits.max_request_pixels)
+            decode = decode_video_request if wanted == "videos" else decode_request
+            images, prompts, metadata = decode(payload, limits.max_pixels, limits.max_request_pixels)
         except ImageTooLarge as e:
             self._reply(413, {"error": str(e)})
             return

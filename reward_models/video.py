@@ -47,6 +47,8 @@ def check_videos(videos: Any, name: str) -> torch.Tensor:
 class VideoScorer(Scorer):
     """Pointwise scorer over clips. Subclasses implement `score_clips` on one micro-batch of finite clips."""
 
+    inputs = "videos"  # what a reward server serving this scorer reads from a request (reward_models.serving)
+
     def score_clips(
         self, clips: torch.Tensor, prompts: list[str], metadata: dict[str, list]
     ) -> dict[str, torch.Tensor]:
