@@ -191,10 +191,11 @@ class Sampler:
         own = getattr(adapter, "flow_grid", None)  # a family whose pipeline walks its own grid (FLUX.2, Z-Image)
         if own is not None and (schedule := own(cfg.num_steps, cfg.height, cfg.width, cfg.shift)) is not None:
             return schedule
-        if adapter.scheduler_config.get("use_dynamic_shifting"):  # FLUX, Qwen-Image: shift from the token count
-            return flow_schedule(
+        if adapter.scheduler_config.get("use_dynamic_shifting"):  # FLUX, Kontext: shift from the token count
+            return flow_schedule(  # the pipelines' own sigmas linspace(1, 1/n, n), not set_timesteps(n)'s spacing
                 cfg.num_steps,
                 image_seq_len=adapter.image_seq_len(cfg.height, cfg.width),
+                spacing="uniform",
                 config=adapter.scheduler_config,
             )
         return flow_schedule(cfg.num_steps, shift=cfg.shift, config=adapter.scheduler_config)

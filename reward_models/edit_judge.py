@@ -15,6 +15,14 @@ edit_judge_pairwise: P(edit a beats edit b) for two edits of the same source: co
     asks (b, a) and averages p(a,b) and 1 - p(b,a) (counters["order_disagreements"]). With group_win_rates, pass
     metadata={"source_images": sources of the group} and the instruction as the prompt.
 
+Named templates (`template: edit_r1`): Edit-R1's judge prompt (PKU-YuanGroup/Edit-R1
+reward_server/prompt_template.py:SCORE_LOGIT@4217f25, a 0-5 rating of the edit, "{requirement}" filled from
+metadata["requirement"] when the rows carry it, else ""). `scoring: expected_digit` is Edit-R1's
+"mllm_score_continue": the judge's first generated token, the probabilities of the digits score_min..score_max among
+its top log-probabilities (requested with `logprobs` / `top_logprobs`) renormalised over those digits (= the softmax
+over those digits' logits, as Edit-R1's logits processor takes), their expectation normalised as above (Edit-R1:
+E[score] / 5). A reply without any of those digits among its top log-probabilities is NaN (counters["unparseable"]).
+
 Sources come from metadata["source_images"] as in reward_models.edit_scores (uint8 / float [3,H,W] tensors or PIL
 images, per edit a list); `source_index` None (the default) sends every source of the entry in order, an int only
 that one. They are sent at their own size (max_side caps every image). An edit whose entry holds no source is NaN
@@ -26,7 +34,10 @@ keys of the config entry.
 
 from __future__ import annotations
 
-from typing import Any
+import json
+import math
+import threading
+from typing import Any, Sequence
 
 import torch
 from PIL import Image
@@ -34,7 +45,8 @@ from PIL import Image
 from .edit_scores import SOURCE_KEY, as_float_image, source_list
 from .http_client import HttpSettings
 from .images import ImageBatch
-from .judge_client import JudgeSettings
+from .http_client import HTTPStatusError, RemoteRewardError
+from .judge_client import JudgeClient, JudgeSettings
 from .registry import register, with_settings
 from .vlm_judge import SCORE_PATTERN, PairwiseVLMJudge, VLMJudge, parse_score
 
@@ -62,6 +74,71 @@ EDIT_PAIRWISE_TEMPLATE = (
 )
 
 
+# Edit-R1's judge prompt, kept word for word: a judge is sensitive to its prompt (placeholders {prompt}, {requirement})
+EDIT_R1_TEMPLATE = (
+    "Here are two images: the original and the edited version. Please evaluate the edited image based on the "
+    "following editing instruction and requirement. \n"
+    "Instruction: {prompt}\n"
+    "Requirements: {requirement}\n"
+    "You need to rate the editing result from 0 to 5 based on the accuracy and quality of the edit. \n"
+    "0: The wrong object was edited, or the edit completely fails to meet the requirements. \n"
+    "5: The correct object was edited, the requirements were met, and the visual result is high quality.\n"
+    "Response Format (Directly response the score number): \n"
+    "0-5"
+)
+TEMPLATES = {"default": EDIT_TEMPLATE, "edit_r1": EDIT_R1_TEMPLATE}
+SCORINGS = ("parse", "expected_digit")
+TOP_LOGPROBS = 20  # vLLM's default cap (--max-logprobs)
+
+
+def resolve_template(template: str) -> str:
+    """A named template (TEMPLATES) or the text itself (anything with a placeholder or a newline)."""
+    if template in TEMPLATES:
+        return TEMPLATES[template]
+    if "{prompt}" in template or "\n" in template:
+        return template
+    raise ValueError(f"edit_judge: unknown template {template!r}; named ones: {sorted(TEMPLATES)} (or give the text)")
+
+
+def first_token_logprobs(payload: Any) -> str:
+    """{token: logprob} of the first generated token's top log-probabilities, as JSON; ValueError when absent."""
+    try:
+        top = payload["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+        return json.dumps({str(t["token"]).strip(): float(t["logprob"]) for t in top})
+    except (KeyError, IndexError, TypeError):
+        raise ValueError(f"no first-token top_logprobs in the reply: {str(payload)[:200]}") from None
+
+
+def expected_digit(reply: str, low: int, high: int) -> float | None:
+    """E[digit] over low..high from a first_token_logprobs reply, the digits' probabilities renormalised."""
+    logprobs = json.loads(reply)
+    probs = {d: math.exp(logprobs[str(d)]) for d in range(low, high + 1) if str(d) in logprobs}
+    total = sum(probs.values())
+    return None if total <= 0 else sum(d * p for d, p in probs.items()) / total
+
+
+class LogprobJudgeClient(JudgeClient):
+    """A JudgeClient whose reply is the first token's top log-probabilities (JSON) rather than the text."""
+
+    def __init__(self, url: str, **settings: Any):
+        params = dict(settings.pop("request_params", None) or {})
+        params.setdefault("logprobs", True)
+        params.setdefault("top_logprobs", TOP_LOGPROBS)
+        super().__init__(url, request_params=params, **settings)
+
+    def _ask(self, images: Sequence[Image.Image], text: str, stop: threading.Event) -> str | None:
+        try:
+            body = json.dumps(self.request(images, text)).encode()
+            reply = first_token_logprobs(json.loads(self.http.send("POST", "/chat/completions", body, stop=stop)))
+        except (HTTPStatusError, ValueError) as e:  # json errors are ValueErrors
+            self.http.count("bad_responses")
+            if self.on_bad_response == "raise":
+                raise RemoteRewardError(f"VLM judge {self.url}/chat/completions gave an unusable answer: {e}") from None
+            return None
+        self.http.count("replies")
+        return reply
+
+
 def source_pils(entry, index: int | None) -> list[Image.Image]:
     """The source images of one edit as RGB PIL images (uint8 round trip for tensors); [] when there are none."""
     items = source_list(entry)
@@ -82,12 +159,44 @@ class EditJudge(VLMJudge):
     name = "edit_judge"
     metadata_keys = (SOURCE_KEY,)
 
-    def __init__(self, url: str, *, template: str = EDIT_TEMPLATE, source_index: int | None = None, **kwargs: Any):
-        super().__init__(url, template=template, **kwargs)
+    def __init__(
+        self,
+        url: str,
+        *,
+        template: str = EDIT_TEMPLATE,
+        source_index: int | None = None,
+        scoring: str = "parse",
+        **kwargs: Any,
+    ):
+        if scoring not in SCORINGS:
+            raise ValueError(f"edit_judge: scoring must be one of {SCORINGS}, got {scoring!r}")
+        super().__init__(url, template=resolve_template(template), **kwargs)
         self.source_index = None if source_index is None else int(source_index)
+        self.scoring = scoring
+        if scoring == "expected_digit":
+            if not (
+                self.score_min.is_integer()
+                and self.score_max.is_integer()
+                and 0 <= self.score_min
+                and self.score_max <= 9
+            ):
+                raise ValueError(
+                    f"edit_judge: scoring expected_digit needs single-digit integer scores, got "
+                    f"{self.score_min}..{self.score_max}"
+                )
+            client = kwargs.copy()
+            for k in ("score_pattern", "score_min", "score_max", "batch_size", "key"):
+                client.pop(k, None)
+            self.client.close()
+            self.client = LogprobJudgeClient(url, counters=self.counters, **client)
+
+    def _value(self, reply: str) -> float | None:
+        if self.scoring == "expected_digit":
+            return expected_digit(reply, int(self.score_min), int(self.score_max))
+        return parse_score(reply, self.pattern)
 
     def _score(self, reply: str | None) -> float:
-        value = None if reply is None else parse_score(reply, self.pattern)
+        value = None if reply is None else self._value(reply)
         if reply is not None and value is None:
             self.client.http.count("unparseable")
         elif value is not None and not self.score_min <= value <= self.score_max:
@@ -100,7 +209,11 @@ class EditJudge(VLMJudge):
         edits = images.pil()
         asked = [i for i, s in enumerate(sources) if s]
         self.counters["missing_source"] += len(prompts) - len(asked)
-        texts = [self.template.replace("{prompt}", p) for p in prompts]
+        requirements = metadata.get("requirement") or [""] * len(prompts)
+        texts = [
+            self.template.replace("{prompt}", p).replace("{requirement}", str(r or ""))
+            for p, r in zip(prompts, requirements)
+        ]
         replies: list[str | None] = [None] * len(prompts)
         for i, reply in zip(asked, self.client.ask_many([(sources[i] + [edits[i]], texts[i]) for i in asked])):
             replies[i] = reply
@@ -150,18 +263,21 @@ def build_edit_judge(
     score_min: float = 1.0,
     score_max: float = 10.0,
     source_index: int | None = None,
+    scoring: str = "parse",
     batch_size: int = 64,
     key: str | None = None,
     **client,
 ) -> EditJudge:
     """Multimodal judge of an edit over an OpenAI-compatible endpoint: source(s) (metadata 'source_images') + edit +
-    instruction, a parsed 1-10 score normalised to [0, 1]. `token` / `api_key`: the server's bearer token."""
+    instruction, a parsed 1-10 score normalised to [0, 1] (`template: edit_r1, scoring: expected_digit,
+    score_min: 0, score_max: 5`: Edit-R1's judge). `token` / `api_key`: the server's bearer token."""
     return EditJudge(
         template=template,
         score_pattern=score_pattern,
         score_min=score_min,
         score_max=score_max,
         source_index=source_index,
+        scoring=scoring,
         batch_size=batch_size,
         key=key,
         **client,

@@ -6,6 +6,7 @@
     python scripts/fetch_prompts.py hpdv2            # prompts/hpdv2_train.txt, prompts/hpdv2_test.txt
     python scripts/fetch_prompts.py unigenbench      # prompts/unigenbench_train.txt (Pref-GRPO)
     python scripts/fetch_prompts.py ocr              # prompts/ocr_train.txt, prompts/ocr_test.txt (GARDO)
+    python scripts/fetch_prompts.py dancegrpo_video  # prompts/dancegrpo_video_train.txt (DanceGRPO HunyuanVideo)
     python scripts/fetch_prompts.py --check          # what is there: files, prompt counts, problems
     python scripts/fetch_prompts.py hpdv2_test --from benchmark/photo.json benchmark/anime.json   # offline
 
@@ -17,6 +18,8 @@ Sources (the published sets, not shipped here for their size and licences):
                train, benchmark/{anime,concept-art,paintings,photo}.json (3,200 prompts) for test
     ocr        the Flow-GRPO repository's dataset/ocr/{train,test}.txt (the OCR task; GARDO's release reads the
                same files)
+    dancegrpo_video  the DanceGRPO repository's assets/video_prompts.txt (VidProM-filtered video prompts;
+               github.com/XueZeyue/DanceGRPO); train only
     unigenbench  the Pref-GRPO repository's data/unigenbench_train_data.txt (UniGenBench's train prompts;
                github.com/CodeGoat24/Pref-GRPO); there is no test split here (UniGenBench's test prompts
                are a benchmark, github.com/CodeGoat24/UniGenBench)
@@ -39,6 +42,7 @@ from typing import Callable, Iterable
 ROOT = Path(__file__).resolve().parents[1]
 FLOW_GRPO = "https://raw.githubusercontent.com/yifan123/flow_grpo/main/dataset/{name}/{split}.txt"
 PREF_GRPO = "https://raw.githubusercontent.com/CodeGoat24/Pref-GRPO/main/data/unigenbench_train_data.txt"
+DANCE_GRPO_VIDEO = "https://raw.githubusercontent.com/XueZeyue/DanceGRPO/main/assets/video_prompts.txt"
 HPD_REPO, HPD_STYLES = "zhwang/HPDv2", ("anime", "concept-art", "paintings", "photo")
 
 
@@ -89,6 +93,7 @@ SOURCES: dict[str, list[Callable[[], tuple[str, str]]]] = {
     "unigenbench_train": [lambda: _url(PREF_GRPO)],
     "ocr_train": [lambda: _url(FLOW_GRPO.format(name="ocr", split="train"))],
     "ocr_test": [lambda: _url(FLOW_GRPO.format(name="ocr", split="test"))],
+    "dancegrpo_video_train": [lambda: _url(DANCE_GRPO_VIDEO)],
 }
 GROUPS = {
     "pickscore": ["pickscore_train", "pickscore_test"],
@@ -96,6 +101,7 @@ GROUPS = {
     "hpdv2": ["hpdv2_train", "hpdv2_test"],
     "unigenbench": ["unigenbench_train"],
     "ocr": ["ocr_train", "ocr_test"],
+    "dancegrpo_video": ["dancegrpo_video_train"],
 }
 GROUP_OF = {name: group for group, names in GROUPS.items() for name in names}
 

@@ -14,6 +14,12 @@ What Flux2KleinPipeline does, and where it lives here:
   the step-distilled models (`is_distilled` in the pipeline config) run without CFG (cfg_mode "none", 4 steps).
 - Schedule: `compute_empirical_mu(image tokens, steps)` shifts a uniform grid linspace(1, 1/n, n) (`flow_grid`):
   mu depends on the step count too, not only on the image size as FLUX.1's.
+
+Editing (`Flux2KleinEditAdapter`, family "flux2_edit"): Flux2KleinPipeline's `image=` path. Each source image goes
+through the VAE (the distribution's mode), 2x2-patchified, batch-normalised with the VAE's `bn` statistics and
+flattened to tokens, appended after the generated tokens; reference i gets position ids (10 + 10 i, row, col, 0).
+The text encoder sees only the instruction; the references are the same in both CFG branches; only the generated
+tokens' output is the action. Any number of reference images per prompt.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from torch import Tensor
 
 from . import tiny_qwen3
 from .base import Adapter
+from .editing import EditAdapter, to_vae_input
 from .flux import pack, unpack
 
 PIPELINE_OUT_LAYERS = (9, 18, 27)  # Flux2KleinPipeline's text_encoder_out_layers
@@ -180,3 +187,60 @@ class Flux2Adapter(Adapter):
             scheduler=scheduler, vae=vae, text_encoder=tiny_qwen3.causal_lm(hidden, layers=3),
             tokenizer=tiny_qwen3.tokenizer(), transformer=transformer, is_distilled=is_distilled,
         )  # fmt: skip
+
+
+class Flux2KleinEditAdapter(EditAdapter, Flux2Adapter):
+    """FLUX.2 [klein] image editing: the source images as reference tokens (see the module docstring)."""
+
+    family = "flux2_edit"
+    text_sees_images = False  # klein's Qwen3 reads the instruction only
+    max_references = None  # the pipeline takes a list of images
+    reference_time_scale = 10  # Flux2KleinPipeline._prepare_image_ids: t = scale + scale * i
+
+    def __init__(self, pipe: Any, **kw: Any):
+        super().__init__(pipe, **kw)
+        self._ref_ids: dict[tuple, Tensor] = {}
+
+    def _encode_edit_text(self, text: str, images: tuple[Tensor, ...]) -> dict[str, Tensor]:
+        return self._encode([text])
+
+    def _encode_reference(self, image: Tensor) -> tuple[Tensor, tuple[int, int]]:
+        vae = self.vae
+        x = to_vae_input(image).to(device=vae.device, dtype=vae.dtype)
+        patches = F.pixel_unshuffle(vae.encode(x).latent_dist.mode(), 2)  # [1, 4C, h/2, w/2], the pipeline's order
+        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(patches)
+        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(patches)
+        patches = (patches - mean) / std
+        h, w = patches.shape[2:]
+        return patches.flatten(2).transpose(1, 2).to(self.dtype), (h, w)
+
+    def _forward(self, x: Tensor, sigma: Tensor, text: dict[str, Tensor | None], guidance: float | None) -> Tensor:
+        return self._per_layout(x, sigma, text, self._forward_layout)
+
+    def _forward_layout(self, x: Tensor, sigma: Tensor, text: dict, layout: tuple) -> Tensor:
+        _, _, h, w = x.shape
+        embeds = text["embeds"]
+        generated = pack(x)
+        img_ids, txt_ids = self._position_ids(h, w, embeds.shape[1], x.device)
+        out = self.denoiser(
+            hidden_states=torch.cat([generated, text["reference"].to(x.dtype)], dim=1),
+            timestep=sigma.to(x.dtype),
+            guidance=None,
+            encoder_hidden_states=embeds,
+            txt_ids=txt_ids,
+            img_ids=torch.cat([img_ids, self._reference_ids(layout, x.device)]),
+            return_dict=False,
+        )[0]
+        return unpack(out[:, : generated.shape[1]], h, w)
+
+    def _reference_ids(self, layout: tuple, device: Any) -> Tensor:
+        """(10 + 10 i, row, col, 0) of reference i's token grid, all references in order, built once per layout."""
+        key = (layout, str(device))
+        if key not in self._ref_ids:
+            one = torch.zeros(1, dtype=torch.long)
+            parts = [
+                torch.cartesian_prod(one + self.reference_time_scale * (i + 1), torch.arange(rh), torch.arange(rw), one)
+                for i, (rh, rw) in enumerate(layout)
+            ]
+            self._ref_ids[key] = torch.cat(parts).to(device)
+        return self._ref_ids[key]

@@ -198,3 +198,59 @@ def test_memory_table_rows_use_the_adapters_lora_targets():
     assert specs["Z-Image-Turbo"].lora_targets == ZImageAdapter.lora_targets
     assert Flux2Adapter.patch_of(specs["FLUX.2-klein-4B"].config) == 2
     assert ZImageAdapter.patch_of(specs["Z-Image-Turbo"].config) == 2
+
+
+# FLUX.2 [klein]'s released scheduler_config.json (4B / 9B, distilled and base): FlowMatchEulerDiscreteScheduler with
+# dynamic shifting, exponential time shift; base_shift / max_shift are unused (the pipeline passes its own mu)
+KLEIN_SCHEDULER = {
+    "base_image_seq_len": 256, "base_shift": 0.5, "max_image_seq_len": 4096, "max_shift": 1.15,
+    "num_train_timesteps": 1000, "shift": 3.0, "time_shift_type": "exponential", "use_dynamic_shifting": True,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("steps,px", [(4, 384), (4, 1024), (10, 1024), (50, 512), (28, 2048)])
+def test_grid_of_the_released_scheduler_equals_the_pipeline_s_set_timesteps(steps, px):
+    """The adapter's grid against Flux2KleinPipeline's own steps: compute_empirical_mu(tokens, steps), then
+    retrieve_timesteps(scheduler, sigmas=linspace(1, 1/n, n), mu=mu), with the released scheduler config (the
+    Flow-Factory klein recipe samples 4 steps at 384 px and evaluates 10 at 1024 px)."""
+    import numpy as np
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.flux2 import pipeline_flux2_klein as klein
+
+    a = build_adapter("flux2", tiny=True, is_distilled=True)
+    a.pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(KLEIN_SCHEDULER)
+    tokens = (px // 16) ** 2  # the real VAE's 8x and the 2x2 patches; the tiny VAE's geometry differs
+    a.image_seq_len = lambda h, w: tokens  # type: ignore[method-assign]
+    ours = a.flow_grid(steps, px, px, None)
+    ref = FlowMatchEulerDiscreteScheduler.from_config(KLEIN_SCHEDULER)
+    mu = klein.compute_empirical_mu(image_seq_len=tokens, num_steps=steps)
+    klein.retrieve_timesteps(ref, steps, "cpu", sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
+    torch.testing.assert_close(ours.sigmas, ref.sigmas.float(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(ours.timesteps, ref.timesteps.float(), rtol=1e-6, atol=1e-4)
+    assert empirical_mu(tokens, steps) == pytest.approx(mu, rel=1e-12)
+
+
+@pytest.mark.parametrize("distilled,n_refs,w,mode", [(False, 1, 4.0, "full"), (True, 2, 0.0, "none")])
+def test_edit_adapter_reproduces_the_pipeline_with_reference_images(distilled, n_refs, w, mode):
+    """Flux2KleinPipeline(image=[...]): reference tokens after the generated ones at t = 10, 20, ...; the same
+    references in both CFG branches (base klein, one image) and several references (distilled klein, two)."""
+    from pipelines.adapters.editing import EditPrompt, to_pil
+    from pipelines.adapters.flux2 import Flux2KleinEditAdapter
+
+    a = Flux2KleinEditAdapter.tiny(is_distilled=distilled)
+    g = torch.Generator().manual_seed(1)
+    sources = [torch.randint(0, 256, (3, 64, 64), dtype=torch.uint8, generator=g) for _ in range(n_refs)]  # >= 64 px
+    x0 = torch.randn(1, *a.latent_shape(32, 32), generator=g)
+    ref = pipeline_latents(a, x0, guidance_scale=4.0, image=[to_pil(s) for s in sources])
+    grid = Sampler(SamplerConfig(num_steps=STEPS, height=32, width=32)).schedule(a)
+    torch.testing.assert_close(grid.sigmas, a.pipe.scheduler.sigmas.float())
+    e, x = a.encode_prompts([EditPrompt(PROMPT, sources)]), x0.clone()
+    assert e.reference.shape[1] == n_refs * 16 * 16  # 64 px -> 32 x 32 latents -> 16 x 16 tokens per image
+    with torch.no_grad():
+        for i in range(STEPS):
+            x = x + (grid.sigmas[i + 1] - grid.sigmas[i]) * a.model_output(x, grid.sigmas[i], e, w, mode)
+    torch.testing.assert_close(x, ref, atol=2e-5, rtol=1e-5)
+    ids = a._reference_ids(((16, 16),) * n_refs, "cpu")
+    assert sorted(set(ids[:, 0].tolist())) == [10 * (i + 1) for i in range(n_refs)] and ids[:, 3].eq(0).all()
+    with pytest.raises(ValueError, match="names no input image"):
+        a.encode_prompts([PROMPT])

@@ -168,3 +168,27 @@ def test_recipe_learns(tmp_path):
     m = learning_margin("zimage_turbo", tmp_path, iterations=16)
     assert m["first_learn"] == pytest.approx(m["first_still"], abs=1e-7), m
     assert m["gain"] > 5.0 * m["noise"] and m["gain"] > 0, m
+
+
+# Tongyi-MAI/Z-Image-Turbo scheduler_config.json: static shift 3, no dynamic shifting (the pipeline's mu is unused)
+TURBO_SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False}
+
+
+@pytest.mark.parametrize("steps,px", [(6, 512), (8, 1024), (9, 1024), (10, 512)])
+def test_turbo_grid_of_the_released_scheduler_equals_the_pipeline_s_set_timesteps(steps, px):
+    """The adapter's grid against ZImagePipeline's own steps (calculate_shift's mu, get_default_z_image_sigmas,
+    retrieve_timesteps) under Turbo's released scheduler config: the uniform grid under shift 3 (Flow-Factory's
+    Turbo recipe: 6 steps at 512 px, evaluated with 10; the model card's 9 steps = 8 forwards plus the last)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.z_image import pipeline_z_image as zp
+
+    a = build_adapter("zimage", tiny=True)
+    a.pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(TURBO_SCHEDULER)
+    ours = a.flow_grid(steps, px, px, None)
+    ref = FlowMatchEulerDiscreteScheduler.from_config(TURBO_SCHEDULER)
+    mu = zp.calculate_shift((px // 16) ** 2)  # passed by the pipeline, ignored without dynamic shifting
+    zp.retrieve_timesteps(ref, steps, "cpu", sigmas=zp.get_default_z_image_sigmas(steps), mu=mu)
+    torch.testing.assert_close(ours.sigmas, ref.sigmas.float(), rtol=0, atol=1e-6)
+    s = torch.linspace(1.0, 1.0 / steps, steps)
+    torch.testing.assert_close(ours.sigmas[:-1], 3 * s / (1 + 2 * s), rtol=0, atol=1e-6)  # shift 3 by hand
+    assert ours.sigmas[-1] == 0
