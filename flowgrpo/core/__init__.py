@@ -5,6 +5,7 @@ adv = compute_advantages(batch, AdvantageConfig(estimator="grpo"))
 out = policy_loss(LossInputs(logp, logp_old, adv_per_row, mask), LossConfig(preset="dapo"))
 """
 
+from . import etr, real, rover, thr  # noqa: F401  (register the ETR, REAL, ROVER and THR parts)
 from .advantages import ESTIMATORS
 from .config import AdvantageConfig, KLSpec, LossConfig, PartSpec, StrictModel
 from .contracts import AdvantageResult, GroupBatch, TreeStructure

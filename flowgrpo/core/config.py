@@ -20,6 +20,7 @@ from .transforms import TRANSFORMS
 from .conditional import SCHEDULES  # registers CANON and Stratified GRPO
 from .prompt_state import PROMPT_SAMPLERS
 from . import spo as _spo  # noqa: F401  (registers SPO and ACE)
+from . import egae, etr, knapsack, real, rover, spae, thr  # noqa: F401  (register the parts bounded below)
 
 
 @dataclass(frozen=True)
@@ -318,8 +319,30 @@ bound_settings(ESTIMATORS, "stratified_grpo", alpha=PROBABILITY, eps=EPS)
 bound_settings(REGULARIZERS, "opmd", coef=NON_NEGATIVE)
 bound_settings(REGULARIZERS, "asymre", coef=NON_NEGATIVE)
 bound_settings(
-    ESTIMATORS, "spo", rho=between(0, 1, low_open=True), prior_value=PROBABILITY, prior_count=POSITIVE, eps=EPS
+    ESTIMATORS,
+    "spo",
+    rho=between(0, 1, low_open=True),
+    prior_value=PROBABILITY,
+    prior_count=POSITIVE,
+    eps=EPS,
+    rho_type=one_of("constant", "kl"),
+    d_half=POSITIVE,
+    rho_min=PROBABILITY,
 )
 bound_settings(TRANSFORMS, "ace", alpha=NON_NEGATIVE)
 bound_settings(PROMPT_SAMPLERS, "spo", floor=NON_NEGATIVE)
 bound_settings(PROMPT_SAMPLERS, "replay", fraction=PROBABILITY, cooldown=count(0), max_reuse=count(1))
+# issue 31's second round: REAL, ETR, ROVER, THR, Knapsack RL, T-PPO's EGAE, SPAE (their modules register them)
+bound_settings(ESTIMATORS, "real", labels=one_of("binary", "mean"))
+bound_settings(SURROGATES, "real", tau=POSITIVE)
+bound_settings(BOUNDS, "etr", eps_low=PROBABILITY, eps_high=NON_NEGATIVE, alpha=NON_NEGATIVE, beta=NON_NEGATIVE,
+               a_max=POSITIVE)  # fmt: skip
+bound_settings(ESTIMATORS, "rover", eps=EPS)
+bound_settings(SURROGATES, "rover", temperature=POSITIVE)
+bound_settings(STEP_WEIGHTINGS, "thr", top_frac=FRACTION)
+bound_settings(PROMPT_SAMPLERS, "knapsack", low=count(1), high=count(1), unknown=PROBABILITY)
+bound_settings(ESTIMATORS, "egae", gamma=PROBABILITY, lam=PROBABILITY)
+bound_settings(
+    ESTIMATORS, "spae", saturation=PROBABILITY, saturation_weight=PROBABILITY, shaping_coef=NON_NEGATIVE,
+    shaping_clip=POSITIVE, eps=EPS,
+)  # fmt: skip

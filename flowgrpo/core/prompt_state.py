@@ -175,6 +175,9 @@ def _table(table: Optional[PromptTable], name: str) -> PromptTable:
 
 # what reads the table: estimators by name (spo.py adds its own) and every sampler but uniform
 STATEFUL_ESTIMATORS: set[str] = set()
+# samplers that set each prompt's number of rollouts (knapsack.py adds its own): only a trainer that lays out ragged
+# groups reads them, so prompt_policy refuses them elsewhere instead of ignoring them
+BUDGET_SAMPLERS: set[str] = set()
 
 
 def build_prompt_state(
@@ -193,11 +196,21 @@ def build_prompt_state(
 
 
 def prompt_policy(
-    table: Optional[PromptTable], sampler: str, settings: Mapping[str, Any], seed: int
+    table: Optional[PromptTable], sampler: str, settings: Mapping[str, Any], seed: int, reads_budgets: bool = False
 ) -> Optional[Callable[[int, int], list[int]]]:
-    """The hook a prompt order calls as hook(n, draw) -> rows, or None for `uniform`."""
+    """The hook a prompt order calls as hook(n, draw) -> rows, or None for `uniform` and for a budget sampler (its
+    rows are the permutation's; `reads_budgets`: the trainer reads the budgets itself, else such a sampler is
+    refused)."""
     entry = PROMPT_SAMPLERS.get(sampler)
     entry.check_settings(settings, "prompt sampler")
+    if sampler in BUDGET_SAMPLERS:
+        if not reads_budgets:
+            raise ValueError(
+                f"prompt sampler '{sampler}' sets per-prompt rollout budgets (ragged groups), which this trainer "
+                "does not lay out; the text trainer does"
+            )
+        _table(table, sampler)
+        return None
     if sampler == "uniform":
         return None
     state = _table(table, sampler)

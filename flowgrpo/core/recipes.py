@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from .offpolicy import REC_PRESETS
+from . import egae, knapsack, spae  # noqa: F401  (register egae, spae and the knapsack prompt sampler)
 
 
 def _recipe(
@@ -56,4 +57,30 @@ RECIPES: dict[str, dict[str, Any]] = {
     # ACE (arXiv 2602.21420; spo.py): GRPO whose negative advantages grow with the policy's confidence over the
     # reference (alpha 1: ours, unverified), on the GRPO loss without KL
     "ace": _recipe({"name": "grpo"}, {"preset": "grpo"}, transforms=({"name": "ace", "alpha": 1.0},)),
+    # REAL (Red-RL/REAL scripts/train/1.5b_real.sh; real.py): rewards as labels, the group classification loss at
+    # tau 0.5, summed per sequence over the sequence count
+    "real": _recipe(
+        {"name": "real"}, {"surrogate": {"name": "real", "tau": 0.5}, "aggregation": "seq_mean_token_mean"}
+    ),
+    # ETR (arXiv 2601.03723, paper only; etr.py): GRPO (biased std, so the bounds can read each group's pass-rate
+    # variance from A) with elastic bounds around eps 0.2; the widening functions are ours
+    "etr": _recipe(
+        {"name": "grpo", "unbiased": False}, {"bounds": {"name": "etr"}, "aggregation": "seq_mean_token_mean"}
+    ),
+    # ROVER (yuxiaooye/ROVER Math/scripts/deepscaler/train/rover_qwen3_8b.sh; rover.py): GRPO-normalised centred
+    # reward as the target of the relative log-prob, squared error, token mean, rover_t 1
+    "rover": _recipe({"name": "rover", "std_normalize": True}, {"surrogate": "rover", "aggregation": "token_mean"}),
+    # THR (arXiv 2510.03669, paper only; thr.py): the GRPO loss with the top 20 % of tokens by |THR| (a proxy)
+    # reweighted by 1 + 0.1 sign(THR), exploitation (p and top_frac ours)
+    "thr": _recipe(
+        {"name": "grpo"},
+        {
+            "bounds": {"name": "symmetric", "eps": 0.2},
+            "aggregation": "seq_mean_token_mean",
+            "step_weighting": {"name": "thr", "p": 0.1, "top_frac": 0.2},
+        },
+    ),
+    # Knapsack RL (arXiv 2509.25849, paper only; knapsack.py): GRPO on ragged groups, each prompt's rollouts from a
+    # knapsack over the prompts' learning value, 2..32 per prompt (bounds ours), the DAPO loss (ours)
+    "knapsack": _recipe({"name": "grpo"}, {"preset": "dapo"}, sampling={"name": "knapsack", "low": 2, "high": 32}),
 }

@@ -12,11 +12,17 @@ the formulas below are the paper's, paper-only ◐):
     alpha_0 = N0 p0, beta_0 = N0 (1 - p0)                    at a prompt's first sight: p0 its offline success
                                                              rate (PromptTable prior) where given, else prior_value
 
-rho: the paper's KL-adaptive forgetting clip(2^(-D / D_half), rho_min, 0.96) needs the stored log-probs of the
-prompt's last response re-scored under the current policy; here rho is constant (the paper's `constant` type;
-0.96, the adaptive one's value without drift). With G > 1 samples of a prompt in one step (the paper: G = 1) the
-tracker takes them as G observations with one forgetting step. Prioritised sampling: prompt sampler `spo`
-(prompt_state.py).
+rho: `rho_type: constant` (the default) forgets by the constant `rho` (0.96). `rho_type: kl` is the KL-adaptive
+forgetting factor of the public code (verl-project/verl-recipe spo/spo_ray_trainer.py @
+550d42f53169e41b36921faef86336fdfc558820, `_get_spo_rho`, ✔): per prompt, D = the token mean of
+|log pi_stored - log pi_current| over the prompt's last stored response (`kl_drift`), and
+rho = clip(2^(-D / d_half), rho_min, rho) with d_half 0.06, rho_min 0.875 (its scripts' SPO_RHO_CLIP_LOWER) and
+the upper clip `rho` 0.96 (`kl_adaptive_rho`); a prompt seen for the first time has D = 0. It reads the drift per
+group from `GroupBatch.drift` [P], which the trainer must fill (it stores each prompt's last response with its
+log-probs and re-scores it under the current policy); the source computes D after the step's update, a trainer
+here would compute it before (one update earlier, ◐). With G > 1 samples of a prompt in one step (the paper:
+G = 1) the tracker takes them as G observations with one forgetting step. Prioritised sampling: prompt sampler
+`spo` (prompt_state.py).
 
 ACE: for a sample with A_i < 0, A_i <- A_i (1 + alpha softplus(c_i - offset)), c_i = log pi_theta(o_i | q) -
 log pi_ref(o_i | q) summed over the sequence (the REFERENCE model's log-probs, as the paper's summary says: it
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from .advantages import ESTIMATORS, _sample_result
 from .contracts import AdvantageResult, GroupBatch, given
@@ -47,13 +54,18 @@ def spo(
     high: float = 1.0,
     normalize: bool = True,
     eps: float = 1e-8,
+    rho_type: str = "constant",
+    d_half: float = 0.06,
+    rho_min: float = 0.875,
 ) -> AdvantageResult:
     """SPO: A = r - v(prompt), v the prompt's Beta tracker (alpha / (alpha + beta), before this step), whitened over
     the batch; then alpha <- rho alpha + r, beta <- rho beta + 1 - r. Rewards are mapped by (r - low) / (high - low)
     and must then lie in [0, 1]; a prompt's first sight starts it at alpha = prior_count p0,
-    beta = prior_count (1 - p0), p0 its offline success rate (the table's prior) where known, else prior_value."""
+    beta = prior_count (1 - p0), p0 its offline success rate (the table's prior) where known, else prior_value.
+    rho_type 'kl': rho per prompt = clip(2^(-D / d_half), rho_min, rho), D from GroupBatch.drift."""
     if not high > low:
         raise ValueError(f"spo: high must exceed low, got low={low}, high={high}")
+    rhos = _forgetting(batch, rho, rho_type, d_half, rho_min)
     table = given(batch.prompt_state, "GroupBatch.prompt_state (SPO)")
     ids = given(batch.prompt_ids, "GroupBatch.prompt_ids (SPO)")
     r = batch.scalar_rewards()
@@ -71,18 +83,58 @@ def spo(
     for p, row in enumerate(ids.tolist()):  # in batch order: a prompt twice in a batch updates twice
         if bool(ok[p].any()):
             vals = scaled[p][ok[p]]
-            alpha[row] = rho * alpha[row] + vals.sum()
-            beta[row] = rho * beta[row] + (1 - vals).sum()
+            alpha[row] = rhos[p] * alpha[row] + vals.sum()
+            beta[row] = rhos[p] * beta[row] + (1 - vals).sum()
     if normalize:
         flat, flat_ok = adv.reshape(-1), ok.reshape(-1)
         mean = masked_mean(flat, flat_ok, dim=0)
         std = masked_std(flat, flat_ok, dim=0, unbiased=True)
         adv = (adv - mean) / (std + eps)
-    metrics = {"spo/baseline_mean": float(baseline.mean()), "spo/new_prompts": float(new.sum())}
+    metrics = {
+        "spo/baseline_mean": float(baseline.mean()),
+        "spo/new_prompts": float(new.sum()),
+        "spo/rho": float(rhos.mean()),
+    }
     return _sample_result(adv.to(r.dtype), ok, batch, **metrics)
 
 
 STATEFUL_ESTIMATORS.add("spo")
+
+
+def kl_drift(stored_logp: Tensor, current_logp: Tensor, mask: Tensor) -> Tensor:
+    """D per response [M]: the mean over its tokens (`mask`) of |log pi_stored - log pi_current| ([M, T] each)."""
+    m = mask.to(torch.float64)
+    diff = (stored_logp.double() - current_logp.double()).abs() * m
+    return diff.sum(-1) / m.sum(-1).clamp_min(1)
+
+
+def kl_adaptive_rho(drift: Tensor, d_half: float = 0.06, rho_min: float = 0.875, rho_max: float = 0.96) -> Tensor:
+    """SPO's KL-adaptive forgetting factor clip(2^(-D / d_half), rho_min, rho_max), float64."""
+    if not (d_half > 0 and 0.0 <= rho_min <= rho_max <= 1.0):
+        raise ValueError(
+            f"spo: expected d_half > 0 and 0 <= rho_min <= rho <= 1, got d_half={d_half}, rho_min={rho_min}, "
+            f"rho={rho_max}"
+        )
+    return torch.pow(2.0, -drift.double() / d_half).clamp(rho_min, rho_max)
+
+
+def _forgetting(batch: GroupBatch, rho: float, rho_type: str, d_half: float, rho_min: float) -> Tensor:
+    """rho per group [P]: the constant, or the KL-adaptive one from the batch's per-group drift."""
+    P = batch.num_groups
+    if rho_type == "constant":
+        return torch.full((P,), float(rho), dtype=torch.float64)
+    if rho_type != "kl":
+        raise ValueError(f"spo: rho_type must be 'constant' or 'kl', got {rho_type!r}")
+    drift = getattr(batch, "drift", None)  # the trainer's per-group D (GroupBatch.drift)
+    if drift is None:
+        raise ValueError(
+            "spo: rho_type 'kl' needs GroupBatch.drift [P] (each prompt's mean |stored - current| token log-prob "
+            "over its last response, 0 at first sight); this trainer does not record it: use rho_type 'constant'"
+        )
+    drift = torch.as_tensor(drift, dtype=torch.float64).reshape(-1)
+    if drift.shape != (P,) or bool((drift < 0).any()) or not bool(torch.isfinite(drift).all()):
+        raise ValueError(f"spo: GroupBatch.drift must hold {P} finite values >= 0, got {drift.tolist()}")
+    return kl_adaptive_rho(drift, d_half, rho_min, rho)
 
 
 @TRANSFORMS.register("ace", requires=("confidence",))

@@ -3,7 +3,10 @@
 Chunk c of a step's prompts is sampled with its own seed and scored on rank c % world_size; every rank
 gets the whole batch back in chunk order. With `rollout_split: k` each chunk is sampled as k parts
 (G / k completions of each of its prompts, each part its own seed and rank), joined back into whole groups. With dynamic sampling, groups whose rewards do not vary are
-dropped and more prompts are generated, for a bounded number of extra rounds.
+dropped and more prompts are generated, for a bounded number of extra rounds. With `prompt_sampling: knapsack`
+(Knapsack RL, flowgrpo/core/knapsack.py) prompt i gets its own budget N_i from the prompt table (the same on every
+rank), is sampled as a chunk of its own, and its group is padded to the step's largest N_i with masked rows
+(`Rollout.valid`, NaN rewards), so every estimator normalises each prompt within its own N_i samples.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ import numpy as np
 import torch
 
 from ..core import GroupBatch
+from ..core.contracts import given
+from ..core.knapsack import check_budget_settings, knapsack_budgets
+from ..core.prompt_state import BUDGET_SAMPLERS, PromptTable
 from ..core.stats import masked_std
 from ..distributed import Distributed
 from ..run.prompts import PromptSampler
@@ -45,6 +51,7 @@ def group_batch(
         reward_names=[r.name for r in rewards],
         lengths=rollout.lengths.view(P, G).float(),
         head_nan_policy=cfg.advantage.head_nan_policy,
+        valid=None if rollout.valid is None else rollout.valid.view(P, G),
     )
 
 
@@ -56,6 +63,12 @@ def whole_groups(chunk_sizes: Sequence[int], k: int, G: int) -> torch.Tensor:
         rows += [start + q * n * g + j * g + r for j in range(n) for q in range(k) for r in range(g)]
         start += n * G
     return torch.tensor(rows, dtype=torch.long)
+
+
+def _nan_rows(values: torch.Tensor, rows: int) -> torch.Tensor:
+    """values [n, K] grown to [rows, K] with NaN rows (padding of a ragged group: not scored)."""
+    extra = rows - values.shape[0]
+    return torch.cat([values, values.new_full((extra, *values.shape[1:]), float("nan"))]) if extra > 0 else values
 
 
 class Collector:
@@ -70,9 +83,20 @@ class Collector:
         rewards: Sequence[RewardFunction],
         sampler: PromptSampler,
         dist: Distributed,
+        prompt_state: Optional[PromptTable] = None,
     ) -> None:
         self.cfg, self.generator, self.tokenizer, self.data = cfg, generator, tokenizer, data
         self.rewards, self.sampler, self.dist = rewards, sampler, dist
+        self.prompt_state = prompt_state
+        sampling = cfg.prompt_sampling
+        self.budgets = dict(sampling.settings) if sampling.name in BUDGET_SAMPLERS else None
+        if self.budgets is not None:
+            check_budget_settings(cfg.group_size, **self.budgets)
+            if cfg.dynamic_sampling.enabled or cfg.rollout_split > 1 or prompt_state is None:
+                raise ValueError(
+                    f"prompt_sampling {sampling.name}: ragged groups go without dynamic_sampling and rollout_split "
+                    "(and need the run's prompt state)"
+                )
 
     def _score(self, rollout: Rollout, step: int) -> RewardScores:
         rows = [self.data.rows[int(i)] for i in rollout.prompt_index]
@@ -98,11 +122,12 @@ class Collector:
         return int(np.random.SeedSequence([self.cfg.seed, step, round_, chunk]).generate_state(1)[0])
 
     def _generate_and_score(
-        self, index: list[int], step: int, round_: int
+        self, index: list[int], step: int, round_: int, budgets: Optional[list[int]] = None
     ) -> tuple[Rollout, RewardScores, float, float]:
-        """The whole batch on every rank, and this rank's generate / reward seconds."""
+        """The whole batch on every rank, and this rank's generate / reward seconds. `budgets`: each prompt's number
+        of completions (Knapsack RL): one chunk per prompt, groups padded to the largest."""
         G, k = self.cfg.group_size, self.cfg.rollout_split
-        per_call = prompts_per_call(self.cfg.generation, G)
+        per_call = 1 if budgets else prompts_per_call(self.cfg.generation, G)
         chunks = [index[s : s + per_call] for s in range(0, len(index), per_call)]
         local: list[tuple[int, Any, Any]] = []
         t_gen, t_rew, failure = 0.0, 0.0, None
@@ -115,7 +140,7 @@ class Collector:
                 t0 = time.perf_counter()
                 prompts = chunks[c // k]
                 rollout = self.generator.generate(
-                    [self.data.prompt_ids[i] for i in prompts], prompts, G // k,
+                    [self.data.prompt_ids[i] for i in prompts], prompts, budgets[c] if budgets else G // k,
                     seed=self._chunk_seed(step, round_, c),
                 )  # fmt: skip
                 t1 = time.perf_counter()
@@ -134,6 +159,9 @@ class Collector:
             raise failure
         if failed:
             raise RuntimeError("generation or scoring failed on another rank: " + "; ".join(failed))
+        if budgets:  # ragged groups: pad each prompt's group to the largest, padding unscored (NaN) and masked
+            width, pad = max(budgets), self.generator.pad_id
+            parts = [(c, r.padded(width, pad), replace(sc, values=_nan_rows(sc.values, width))) for c, r, sc in parts]
         rollout = Rollout.concat([r for _, r, _ in parts], self.generator.pad_id)
         scores = [sc for _, _, sc in parts]
         merged = RewardScores(
@@ -158,7 +186,12 @@ class Collector:
         errors = [0] * len(self.rewards)
         while True:
             index = self.sampler.next(P)
-            rollout, scores, dt_gen, dt_rew = self._generate_and_score(index, step, rounds)
+            budgets = None
+            if self.budgets is not None:  # every rank: the same budgets from the same table
+                table = given(self.prompt_state, "the run's prompt state (Knapsack RL)")
+                budgets = knapsack_budgets(table, index, P * G, **self.budgets)
+                record.update({"knapsack/budget_min": min(budgets), "knapsack/budget_max": max(budgets)})
+            rollout, scores, dt_gen, dt_rew = self._generate_and_score(index, step, rounds, budgets)
             t_gen += dt_gen
             t_rew += dt_rew
             generated += P

@@ -12,7 +12,7 @@ any rank of any number of processes, and after a resume.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import torch
@@ -37,6 +37,7 @@ class Rollout:
     prompt_index: Tensor
     group_size: int
     rollout_logp: Optional[Tensor] = None  # [N, Tc] the sampler's log-prob of each token (0 on padding)
+    valid: Optional[Tensor] = None  # [N] bool, False: a padding row of a ragged group (Knapsack RL); None: all real
 
     @property
     def num_sequences(self) -> int:
@@ -62,7 +63,29 @@ class Rollout:
             self.prompt_index[idx],
             group_size,
             None if self.rollout_logp is None else self.rollout_logp[idx],
+            None if self.valid is None else self.valid[idx],
         )
+
+    def padded(self, rows: int, pad_id: int) -> "Rollout":
+        """One prompt's group (every row the same prompt) grown to `rows` rows by padding rows: the prompt, no
+        completion token, `valid` False."""
+        extra = rows - self.num_sequences
+        if extra <= 0:
+            return self
+        first = torch.zeros(extra, dtype=torch.long)
+        Tc = self.completion_ids.shape[1]
+        pad = Rollout(
+            self.prompt_ids[first],
+            self.prompt_mask[first],
+            torch.full((extra, Tc), pad_id, dtype=self.completion_ids.dtype),
+            torch.zeros(extra, Tc, dtype=torch.bool),
+            torch.zeros(extra, dtype=torch.bool),
+            self.prompt_index[first],
+            rows,
+            None if self.rollout_logp is None else torch.zeros(extra, Tc, dtype=self.rollout_logp.dtype),
+            torch.zeros(extra, dtype=torch.bool),
+        )
+        return Rollout.concat([replace(self, group_size=rows), pad], pad_id)
 
     @staticmethod
     def concat(parts: Sequence["Rollout"], pad_id: int) -> "Rollout":
@@ -87,6 +110,11 @@ class Rollout:
             None
             if any(r.rollout_logp is None for r in parts)
             else torch.cat([right(r.rollout_logp, Tc, 0.0) for r in parts]),
+            None
+            if all(r.valid is None for r in parts)
+            else torch.cat(
+                [torch.ones(r.num_sequences, dtype=torch.bool) if r.valid is None else r.valid for r in parts]
+            ),
         )
 
 

@@ -97,10 +97,16 @@ class TextGRPOTrainer(RunLoop):
         self.prompt_state = build_prompt_state(
             len(self.data), cfg.advantage.estimator.name, sampling.name, self._prompt_prior()
         )
-        self.sampler.policy = prompt_policy(self.prompt_state, sampling.name, sampling.settings, cfg.seed)
-        self.collector = Collector(
-            cfg, self.generator, self.tokenizer, self.data, self.rewards, self.sampler, self.dist
+        # reads_budgets: Knapsack RL's per-prompt budgets become ragged groups in the collector
+        self.sampler.policy = prompt_policy(
+            self.prompt_state, sampling.name, sampling.settings, cfg.seed, reads_budgets=True
         )
+        try:
+            self.collector = Collector(
+                cfg, self.generator, self.tokenizer, self.data, self.rewards, self.sampler, self.dist, self.prompt_state
+            )
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         built = build_optimizer(self.params, cfg.optim, cfg.iterations, fused=True)
         self.optimizer, self.scheduler = built.optimizer, built.scheduler

@@ -208,6 +208,7 @@ def test_every_estimator_has_a_formula_test():
     tested = set(SAMPLE_ESTIMATORS) | {"win_rate", "sibling", "turning_point", "value_anchored", "tree_depth"}
     tested |= {"rec", "canon", "stratified_grpo"}  # test_core_offpolicy.py, test_core_conditional.py
     tested |= {"spo"}  # test_core_prompt_state.py
+    tested |= {"real", "rover", "egae", "spae"}  # test_core_{real,rover,egae,spae}.py
     assert set(ESTIMATORS.names()) == tested
 
 

@@ -121,10 +121,10 @@ AGGS = [
 
 def test_every_part_is_in_the_reference():
     assert RATIOS.names() == sorted(RATIO_NAMES)
-    assert BOUNDS.names() == sorted({b for b, _ in BOUND_SPECS})
-    # rec: test_core_offpolicy.py; flow_dppo: tests/t2i/test_method_dppo.py
-    assert SURROGATES.names() == sorted({s for s, _ in SURROGATE_SPECS} | {"rec", "flow_dppo"})
-    assert STEP_WEIGHTINGS.names() == sorted(WEIGHTINGS)
+    assert BOUNDS.names() == sorted({b for b, _ in BOUND_SPECS} | {"etr"})  # etr: test_core_etr.py
+    # rec: test_core_offpolicy.py; flow_dppo: tests/t2i/test_method_dppo.py; real, rover: test_core_{real,rover}.py
+    assert SURROGATES.names() == sorted({s for s, _ in SURROGATE_SPECS} | {"rec", "flow_dppo", "real", "rover"})
+    assert STEP_WEIGHTINGS.names() == sorted([*WEIGHTINGS, "thr"])  # thr: test_core_thr.py
     assert KL_ESTIMATORS.names() == sorted({k for k, _ in KL_SPECS})
     assert AGGREGATIONS.names() == sorted(AGGS)
 
