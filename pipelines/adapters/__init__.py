@@ -12,21 +12,31 @@ from typing import Any
 from .base import CFG_MODES, LORA_INITS, Adapter
 from .embeds import PromptEmbeds
 from .flux import FluxAdapter
-from .flux2 import Flux2Adapter
+from .flux2 import Flux2Adapter, Flux2KleinEditAdapter
+from .hunyuan_video import HunyuanVideoAdapter
+from .hunyuan_video15 import HunyuanVideo15Adapter
 from .kontext import FluxKontextAdapter
 from .qwenimage import QwenImageAdapter
 from .qwenimage_edit import QwenImageEditAdapter, QwenImageEditPlusAdapter
 from .sd3 import SD3Adapter
 from .sd15 import SD15Adapter
 from .wan import WanAdapter
+from .wan22 import Wan22Adapter
 from .zimage import ZImageAdapter
 
 ADAPTERS: dict[str, type[Adapter]] = {
     cls.family: cls for cls in (SD3Adapter, FluxAdapter, SD15Adapter, QwenImageAdapter, Flux2Adapter, ZImageAdapter)
 }
 # image editing: prompts carry their source image(s) (editing.EditPrompt)
-ADAPTERS.update({cls.family: cls for cls in (FluxKontextAdapter, QwenImageEditAdapter, QwenImageEditPlusAdapter)})
+ADAPTERS.update(
+    {
+        cls.family: cls
+        for cls in (FluxKontextAdapter, QwenImageEditAdapter, QwenImageEditPlusAdapter, Flux2KleinEditAdapter)
+    }
+)
 ADAPTERS[WanAdapter.family] = WanAdapter  # video: latents [B, C, F, h, w]
+ADAPTERS.update({cls.family: cls for cls in (HunyuanVideoAdapter, HunyuanVideo15Adapter)})  # video, as Wan
+ADAPTERS[Wan22Adapter.family] = Wan22Adapter  # Wan 2.2: TI2V-5B, T2V-A14B (two experts)
 
 
 def build_adapter(name: str, pretrained: str | os.PathLike | None = None, tiny: bool = False, **kw: Any) -> Adapter:
@@ -41,7 +51,8 @@ def build_adapter(name: str, pretrained: str | os.PathLike | None = None, tiny: 
 
 
 __all__ = [
-    "ADAPTERS", "CFG_MODES", "LORA_INITS", "Adapter", "Flux2Adapter", "FluxAdapter", "FluxKontextAdapter",
+    "ADAPTERS", "CFG_MODES", "LORA_INITS", "Adapter", "Flux2Adapter", "Flux2KleinEditAdapter", "FluxAdapter", "FluxKontextAdapter",
+    "HunyuanVideo15Adapter", "HunyuanVideoAdapter",
     "PromptEmbeds", "QwenImageAdapter", "QwenImageEditAdapter", "QwenImageEditPlusAdapter", "SD15Adapter",
-    "SD3Adapter", "WanAdapter", "ZImageAdapter", "build_adapter",
+    "SD3Adapter", "Wan22Adapter", "WanAdapter", "ZImageAdapter", "build_adapter",
 ]  # fmt: skip

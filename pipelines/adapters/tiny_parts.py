@@ -72,3 +72,29 @@ def vae(latent_channels: int, **cfg: Any):
         down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
         block_out_channels=(8, 16), layers_per_block=1, norm_num_groups=4, sample_size=32, **cfg,
     )  # fmt: skip
+
+
+LLAMA3_SPECIAL = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+
+
+def llama3_tokenizer():
+    """Byte-level (one token per byte) with Llama 3's chat-header tokens, for HunyuanVideo's Llama text encoder:
+    its prompt template is written in those tokens (a tiny stand-in for LlamaTokenizerFast; pads on the right)."""
+    from transformers import Qwen2Tokenizer
+
+    tokens = [*_byte_chars(), *LLAMA3_SPECIAL]
+    return Qwen2Tokenizer(
+        vocab={t: i for i, t in enumerate(tokens)}, merges=[], model_max_length=4096, pad_token=LLAMA3_SPECIAL[0],
+        additional_special_tokens=list(LLAMA3_SPECIAL[1:]),
+    )  # fmt: skip
+
+
+def llama_encoder(vocab_size: int, hidden: int = 16, layers: int = 3):
+    """LlamaModel (HunyuanVideo's text encoder class; it reads the third-to-last hidden state, so >= 2 layers)."""
+    from transformers import LlamaConfig, LlamaModel
+
+    return LlamaModel(
+        LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2, max_position_embeddings=4096,
+                    pad_token_id=vocab_size - 4, bos_token_id=vocab_size - 4, eos_token_id=vocab_size - 1)
+    )  # fmt: skip

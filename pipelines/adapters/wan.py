@@ -20,7 +20,8 @@ What WanPipeline does, and where it lives here:
   tiles, and the VAE's slicing decodes one video at a time. Videos come back as [B, F, 3, H, W] in [0, 1] (the
   pipeline's "pt" output).
 
-Wan 2.2 (two experts with `boundary_ratio`, or TI2V's per-token timesteps) is refused, not silently mis-sampled.
+Wan 2.2 pipelines (two experts with `boundary_ratio`, or TI2V's per-token timesteps) are refused here, not
+silently mis-sampled: they are family "wan2.2" (`wan22.Wan22Adapter`).
 """
 
 from __future__ import annotations
@@ -64,10 +65,7 @@ class WanAdapter(Adapter):
     options = (*Adapter.options, "num_frames", "vae_tiling")
 
     def __init__(self, pipe: Any, *, num_frames: int | None = None, vae_tiling: bool = False, **kw: Any):
-        if getattr(pipe, "transformer_2", None) is not None or pipe.config.get("boundary_ratio") is not None:
-            raise ValueError("wan: two-expert pipelines (Wan 2.2 A14B, boundary_ratio) are not supported yet")
-        if pipe.config.get("expand_timesteps"):
-            raise ValueError("wan: per-token timesteps (Wan 2.2 TI2V, expand_timesteps) are not supported yet")
+        self._check_pipeline(pipe)
         super().__init__(pipe, **kw)
         self.num_frames = int(num_frames or self.default_num_frames)
         if problem := self.frames_problem(self.num_frames):
@@ -76,6 +74,13 @@ class WanAdapter(Adapter):
         if vae_tiling:
             self.vae.enable_tiling()
         self.vae_tiling = bool(vae_tiling)
+
+    @classmethod
+    def _check_pipeline(cls, pipe: Any) -> None:
+        if getattr(pipe, "transformer_2", None) is not None or pipe.config.get("boundary_ratio") is not None:
+            raise ValueError("wan: a two-expert pipeline (Wan 2.2 A14B, boundary_ratio): use family 'wan2.2'")
+        if pipe.config.get("expand_timesteps"):
+            raise ValueError("wan: per-token timesteps (Wan 2.2 TI2V, expand_timesteps): use family 'wan2.2'")
 
     @classmethod
     def tiny(cls, seed: int = 0, dtype: torch.dtype = torch.float32, device: Any = "cpu", **kw: Any) -> "Adapter":
