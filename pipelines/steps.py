@@ -244,8 +244,9 @@ def flow_sde(x: Tensor, v: Tensor, schedule: FlowSchedule, i, *, a: float = 0.7)
     def coefficients():
         s, s_next = _sigmas(schedule, i, x, "flow_sde")
         dt = s - s_next
-        # At sigma = 1 the denominator uses sigmas[1] instead (Flow-GRPO's guard; numerator stays sigma).
-        s_den = torch.where(s >= 1, schedule.sigmas[1].to(s), s)
+        # At sigma = 1 the denominator uses sigmas[1] instead (Flow-GRPO's guard; numerator stays sigma). Within
+        # 1e-4 of 1 too: UniPC's flow grid (Wan) starts at 0.999999, where 1 / (1 - sigma) would blow the noise up.
+        s_den = torch.where(s >= 1 - 1e-4, schedule.sigmas[1].to(s), s)
         g2 = a**2 * s / (1 - s_den)
         return s, dt, 1 - g2 / (2 * s) * dt, 1 + g2 * (1 - s) / (2 * s), torch.sqrt(g2 * dt)
 

@@ -82,7 +82,16 @@ def test_image_methods_are_registered_plugins():
     from flowgrpo.t2i import trainer  # noqa: F401  (imports the method modules)
     from flowgrpo.t2i.methods import METHODS, WRAPPERS
 
-    assert METHODS.names() == ["awm", "diffusion_dpo", "grpo", "grpo_gardo", "nft", "nft_gardo", "sft"]
+    assert METHODS.names() == [
+        "awm",
+        "diffusion_dpo",
+        "grpo",
+        "grpo_gardo",
+        "nft",
+        "nft_gardo",
+        "reward_backprop",
+        "sft",
+    ]
     assert WRAPPERS.names() == ["adversarial"]
 
 
@@ -93,6 +102,8 @@ def test_estimators_declare_the_plan_they_read():
         "turning_point": "probes",
         "value_anchored": "probes",
         "tree_depth": "tree",
+        "egae": "probes",  # step values / potentials: probe rewards in the image trainer
+        "spae": "probes",
     }
     for name in ESTIMATORS.names():  # per-step and node estimators cannot read any plan's final rewards
         entry = ESTIMATORS.get(name)

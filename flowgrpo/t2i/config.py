@@ -23,9 +23,11 @@ from .awm import AWMConfig
 from .sft import SFTConfig
 from .dpo import DPOConfig
 from .gardo import GardoConfig
+from .reward_backprop import RewardBackpropConfig
 from pipelines.plans import PLANS, build_plan
 from pipelines.sampler import SamplerConfig
 from pipelines.speed import SpeedConfig
+from ..scaling.context_parallel import ContextParallelSettings, trainer_problem
 
 DEFAULTS: dict[str, Any] = {
     "advantage": {"estimator": {"name": "grpo", "unbiased": False}, "transforms": [{"name": "clip", "max": 5.0}]},
@@ -65,6 +67,26 @@ class ImageModelConfig(StrictModel):
     # GPU speed switches (regional compile, attention backend, autocast, CFG forward, chunked decode,
     # gradient checkpointing): pipelines.speed.SpeedConfig, applied by build_policy after LoRA is attached
     speed: SpeedConfig = Field(default_factory=SpeedConfig)
+    # ranks per sample of a long video sequence (diffusers' Ulysses / ring): flowgrpo.scaling.context_parallel
+    context_parallel: ContextParallelSettings = Field(default_factory=ContextParallelSettings)
+
+    @model_validator(mode="after")
+    def _context_parallel(self) -> "ImageModelConfig":
+        if problem := trainer_problem(self.context_parallel, is_video_family(self.family)):
+            raise ValueError(problem)
+        return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tiny_adapter_options(cls, data: Any) -> Any:
+        """The adapter's own options (num_frames, ...) reach a tiny model too, as they reach a pretrained one."""
+        if isinstance(data, dict) and data.get("tiny") and isinstance(data.get("options"), dict):
+            tiny = dict(data.get("tiny_options") or {})
+            data = {
+                **data,
+                "tiny_options": {**_adapter_options(data.get("family", "sd3"), data["options"], tiny), **tiny},
+            }
+        return data
 
     @model_validator(mode="after")
     def _source(self) -> "ImageModelConfig":
@@ -76,6 +98,26 @@ class ImageModelConfig(StrictModel):
                 "(bf16 compute on fp32 weights: speed.autocast bfloat16)"
             )
         return self
+
+
+def _adapter_options(family: str, options: dict[str, Any], tiny_options: dict[str, Any]) -> dict[str, Any]:
+    """The entries of `model.options` that the family's adapter takes itself (`Adapter.options`: num_frames,
+    max_sequence_length, ...), for a tiny model; set in both sections they must agree."""
+    from pipelines.adapters import ADAPTERS
+
+    own = ADAPTERS[family].options if family in ADAPTERS else ()
+    picked = {k: v for k, v in options.items() if k in own}
+    clash = sorted(k for k in picked if k in tiny_options and tiny_options[k] != picked[k])
+    if clash:
+        raise ValueError(f"model: options and tiny_options set {clash} differently; set them in one place")
+    return picked
+
+
+def is_video_family(family: str) -> bool:
+    """Whether the family's latents are 5-D [B, C, F, h, w] and its decode gives clips [B, F, 3, H, W]."""
+    from pipelines.adapters import ADAPTERS
+
+    return family in ADAPTERS and ADAPTERS[family].latent_ndim == 5
 
 
 class PromptSetConfig(StrictModel):
@@ -164,6 +206,7 @@ class HeldOutEvalConfig(StrictModel):
 class ArtifactsConfig(StrictModel):
     grid_every: int = Field(0, ge=0)  # sample grids of the rollout every k iterations (0: first and last)
     grid_images: int = Field(16, ge=1)
+    video_fps: int = Field(16, ge=1, le=240)  # a video family's grids and tracker GIFs (Wan: 16)
     plot: bool = True  # reward_curve.png at the end
     tensorboard: bool = True
     wandb: bool = False
@@ -211,6 +254,8 @@ class T2IConfig(StrictModel):
     nft: NFTConfig = Field(default_factory=NFTConfig)
     awm: AWMConfig = Field(default_factory=AWMConfig)  # method awm (flowgrpo/t2i/awm.py)
     sft: SFTConfig = Field(default_factory=SFTConfig)  # method sft (flowgrpo/t2i/sft.py)
+    # method reward_backprop: DRaFT-K / ReFL / AlignProp (flowgrpo/t2i/reward_backprop.py)
+    reward_backprop: RewardBackpropConfig = Field(default_factory=RewardBackpropConfig)
     dpo: DPOConfig = Field(default_factory=DPOConfig)  # method diffusion_dpo (flowgrpo/t2i/dpo.py)
     gardo: GardoConfig = Field(default_factory=GardoConfig)  # methods grpo_gardo, nft_gardo (t2i/gardo.py)
     adversarial: AdversarialConfig = Field(default_factory=AdversarialConfig)
@@ -296,6 +341,8 @@ class T2IConfig(StrictModel):
             raise ValueError("ema.count_idle_iterations counts discriminator iterations: it needs adversarial.enabled")
         if problem := check_monitor(self):
             raise ValueError(problem)
+        if is_video_family(self.model.family) and (problem := _video_problem(self)):
+            raise ValueError(f"model.family '{self.model.family}' makes video clips: {problem}")
         if self.adversarial.enabled and self.adversarial.reward not in labels:
             raise ValueError(f"adversarial.reward '{self.adversarial.reward}' is not among rewards {labels}")
         return self
@@ -361,6 +408,17 @@ def _estimator_problem(cfg: T2IConfig) -> Optional[str]:
             )
         if cfg.rollout_split > 1:
             return "a pairwise reward compares a whole group's images: it needs rollout_split 1"
+    return None
+
+
+def _video_problem(cfg: T2IConfig) -> Optional[str]:
+    """Image-only features a video run refuses (the reward stage checks each scorer's input once built)."""
+    if cfg.adversarial.enabled:
+        return "adversarial.enabled: the Adv-GRPO discriminator judges single images, not clips"
+    if cfg.method in ("grpo_gardo", "nft_gardo") and cfg.gardo.diversity.enabled:
+        return "gardo.diversity: its features are of single images, not clips; set gardo.diversity.enabled=false"
+    if "pairwise" in _reward_kinds(cfg):
+        return "a pairwise reward compares two images, not two clips; use a pointwise video scorer (per_frame, ...)"
     return None
 
 

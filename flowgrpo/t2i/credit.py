@@ -58,7 +58,9 @@ def _siblings(tree, base: dict, probe_values: Optional[Tensor], preferences, cfg
     S, k, T = side.shape
     side = side.view(P, S // P * k, T) if S else side.view(P, 0, T)
     step_r = torch.where(side >= 0, node_r[side.clamp_min(0)], torch.full(side.shape, float("nan")))
-    sib = {key: v for key, v in base.items() if key not in ("rewards", "prompt_ids", "prompt_state")}
+    # the probe rewards are already one weighted value per node: no per-reward weights or names
+    dropped = ("rewards", "prompt_ids", "prompt_state", "reward_weights", "reward_names")
+    sib = {key: v for key, v in base.items() if key not in dropped}
     result = compute_advantages(GroupBatch(**sib, step_rewards=step_r, step_mask=side >= 0), cfg.advantage)
     if plain.prompt_state is not None and plain.prompt_ids is not None:  # the prompt samplers' statistics
         r = plain.scalar_rewards()  # of the final images: the sibling batch has none

@@ -7,7 +7,7 @@ held-out set: the eval prompts (or `monitor.prompts`), `images_per_prompt` image
   - the trained rewards (their pointwise scorers, as configured),
   - the held-out gold scorers (`monitor.gold`; default: DEFAULT_GOLD less the trained scorers: no downloads),
   - image statistics that betray hacking (flowgrpo/t2i/image_stats.py: saturation, clipped pixels, grid and
-    high-frequency energy, group diversity),
+    high-frequency energy, group diversity; on a video model's clips: over every frame, diversity between clips),
 
 and judges the history with the rules of flowgrpo/t2i/hacking_alarm.py (thresholds: `monitor.alarm`).
 
@@ -35,10 +35,11 @@ from typing import Any, Iterator, Optional
 import torch
 
 from ..atomic_io import replace_folder, replace_text_atomically
+from ..config import ConfigError
 from ..scaling.sharding import full_state
 from .hacking_alarm import assess
 from .image_stats import image_stats
-from .monitor_config import MonitorConfig, gold_specs
+from .monitor_config import MonitorConfig, gold_specs, makes_video
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,10 @@ class HackingMonitor:
             for label, w, kind in zip(host.rewards.labels, host.rewards.weights, host.rewards.kinds)
             if kind == "pointwise"
         }
-        self.gold = RewardStage(specs, workers=1) if specs and host.dist.is_main else None  # type: ignore[arg-type]
+        try:  # a video run's gold scorers score clips: an image scorer there must be wrapped (per_frame)
+            self.gold = RewardStage(specs, 1, makes_video(cfg)) if specs and host.dist.is_main else None
+        except ValueError as err:
+            raise ConfigError(f"monitor.gold: {err}") from None
         prompts = self.m.prompts or host.eval_prompts.prompts
         meta = [{} for _ in prompts] if self.m.prompts else host.eval_prompts.metadata
         self.prompts, self.metadata = prompts[: self.m.max_prompts], meta[: self.m.max_prompts]

@@ -1,4 +1,5 @@
 """Image statistics that betray reward hacking, on decoded images [B, 3, H, W] in [0, 1] (no weights, no downloads).
+Video clips [B, F, 3, H, W] (a video family's decode): every frame counts as an image, diversity is between clips.
 
 saturation        HSV saturation (max - min) / max per pixel, averaged over the image (0: grey, 1: pure hues).
                   Over-saturation is the classic hack of aesthetic / preference rewards.
@@ -83,11 +84,13 @@ def high_freq_energy(x: torch.Tensor, cutoff: float = 0.25) -> torch.Tensor:
 
 
 def group_diversity(x: torch.Tensor, group_size: int, size: int = DIVERSITY_SIZE) -> torch.Tensor:
-    """[P] mean pairwise RMS distance within each group of `group_size` consecutive images (NaN: a group of 1)."""
+    """[P] mean pairwise RMS distance within each group of `group_size` consecutive images (NaN: a group of 1);
+    clips [B, F, 3, H, W]: between whole clips, every frame downsampled."""
     B = x.shape[0]
     if group_size < 2 or B % group_size:
         return torch.full((max(B // max(group_size, 1), 1),), math.nan)
-    small = F.adaptive_avg_pool2d(x.float(), (min(size, x.shape[-2]), min(size, x.shape[-1])))
+    frames = x.float().flatten(0, x.dim() - 4)  # [B (x F), 3, H, W]
+    small = F.adaptive_avg_pool2d(frames, (min(size, x.shape[-2]), min(size, x.shape[-1])))
     flat = small.flatten(1).view(B // group_size, group_size, -1)
     d = torch.cdist(flat.double(), flat.double()) / math.sqrt(flat.shape[-1])  # [P, G, G] RMS distances
     off = ~torch.eye(group_size, dtype=torch.bool, device=d.device)
@@ -95,13 +98,15 @@ def group_diversity(x: torch.Tensor, group_size: int, size: int = DIVERSITY_SIZE
 
 
 def image_stats(images: torch.Tensor, group_size: int) -> dict[str, float]:
-    """Mean of each statistic over the images (diversity: over the groups); keys as in the module docstring."""
+    """Mean of each statistic over the images, or over every frame of clips [B, F, 3, H, W] (diversity: over the
+    groups); keys as in the module docstring."""
     x = images.detach().float().clamp(0, 1).cpu()
+    frames = x.flatten(0, 1) if x.dim() == 5 else x  # a clip's frames are images of their own
     out = {
-        "saturation": saturation(x),
-        "clipped": clipped_fraction(x),
-        **{f"grid{p}": grid_energy(x, p) for p in GRID_PERIODS},
-        "high_freq": high_freq_energy(x),
+        "saturation": saturation(frames),
+        "clipped": clipped_fraction(frames),
+        **{f"grid{p}": grid_energy(frames, p) for p in GRID_PERIODS},
+        "high_freq": high_freq_energy(frames),
         "diversity": group_diversity(x, group_size),
     }
     return {k: float(v.nanmean()) if bool(torch.isfinite(v).any()) else math.nan for k, v in out.items()}

@@ -67,13 +67,31 @@ class MonitorConfig(StrictModel):
     alarm: AlarmConfig = Field(default_factory=AlarmConfig)
 
 
+def makes_video(cfg: Any) -> bool:
+    """Whether the recipe's model family decodes to clips [B, F, 3, H, W] (5-D latents), not images."""
+    from pipelines.adapters import ADAPTERS
+
+    family = ADAPTERS.get(cfg.model.family)
+    return family is not None and family.latent_ndim == 5
+
+
+def _inner_name(reward: Any) -> Any:
+    """The image scorer a per_frame reward wraps (its `reward` setting: a name or {name, ...})."""
+    inner = reward.settings.get("reward") if reward.name == "per_frame" else None
+    return inner.get("name") if isinstance(inner, dict) else inner
+
+
 def gold_specs(cfg: Any) -> list[GoldScorer]:
-    """The gold scorers of a T2IConfig: `monitor.gold`, or DEFAULT_GOLD less the scorers that are trained."""
+    """The gold scorers of a T2IConfig: `monitor.gold`, or DEFAULT_GOLD less the scorers that are trained. A video
+    run scores each default (image) gold scorer on every frame of a clip (per_frame, mean), under its own name."""
     m: MonitorConfig = cfg.monitor
     if m.gold is not None:
         return list(m.gold)
-    trained = {r.name for r in cfg.rewards}
-    return [GoldScorer(name=n) for n in DEFAULT_GOLD if n not in trained]
+    trained = {r.name for r in cfg.rewards} | {_inner_name(r) for r in cfg.rewards}
+    names = [n for n in DEFAULT_GOLD if n not in trained]
+    if makes_video(cfg):
+        return [GoldScorer(name="per_frame", settings={"reward": {"name": n}}, alias=n) for n in names]
+    return [GoldScorer(name=n) for n in names]
 
 
 def check_monitor(cfg: Any) -> Optional[str]:

@@ -145,7 +145,7 @@ class NFTMethod(ImageMethod):
             """One forward-process term of `micro`'s samples at grid times `time_`: its loss and per-sample losses."""
             x_0 = x0[micro].float()
             time_ = time_.to(x_0.device)  # the grid times are drawn on the CPU generator
-            tt = time_.view(-1, 1, 1, 1)
+            tt = time_.view(-1, *([1] * (x_0.dim() - 1)))  # images [B, C, h, w] or video [B, C, F, h, w]
             x_t = (1 - tt) * x_0 + tt * eps.to(x_0.device)
             rows = embeds.index(prompt_of[micro])
             with torch.no_grad(), active_lora(adapter, "old") as old:

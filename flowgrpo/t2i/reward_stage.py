@@ -2,6 +2,10 @@
 iteration's last batch is scored in the calling thread: nothing is left to overlap it with, and a thread handoff
 there only adds latency: measured 0.4-0.6 points of the tiny recipes' time outside model calls).
 
+A video run (`video=True`: a family whose decode gives clips [B, F, 3, H, W]) takes video scorers only (per_frame
+wraps an image scorer; temporal_consistency, motion_magnitude); an image run takes image scorers only. A scorer of
+the other kind is refused when the stage is built, before any model loads.
+
 Pointwise scorers give one value per image. A pairwise scorer judges every pair of a prompt's group
 (the final images only): its value for an image is its win rate (wins + half the ties and unreadable
 verdicts, over G - 1), and the full preference matrix is kept for the `win_rate` estimator.
@@ -17,6 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .config import RewardConfig
+from .monitor_config import GoldScorer
 
 
 @dataclass
@@ -27,6 +32,24 @@ class Scored:
     seconds: float = 0.0
     calls: int = 0
     images: Optional[torch.Tensor] = None  # the final images [P * G, 3, H, W] when asked for (grids)
+
+
+VIDEO_SCORERS = "per_frame, temporal_consistency, motion_magnitude"
+
+
+def input_problem(name: str, scorer: Any, video: bool) -> Optional[str]:
+    """Why `scorer` cannot score this run's samples (None: it can): clips need a video scorer, images an image one."""
+    from reward_models.video import VideoScorer
+
+    if video and not isinstance(scorer, VideoScorer):
+        return (
+            f"scorer '{name}' scores images [B, 3, H, W], but this model makes video clips [B, F, 3, H, W]: wrap it "
+            f"as {{name: per_frame, reward: {{name: {name}}}}} (aggregate: mean | min | max) or use a video scorer "
+            f"({VIDEO_SCORERS})"
+        )
+    if not video and isinstance(scorer, VideoScorer):
+        return f"scorer '{name}' scores video clips [B, F, 3, H, W], but this model makes images: use an image scorer"
+    return None
 
 
 class InlineJob:
@@ -43,7 +66,7 @@ class InlineJob:
 
 
 class RewardStage:
-    def __init__(self, specs: Sequence[RewardConfig], workers: int = 2):
+    def __init__(self, specs: Sequence[RewardConfig | GoldScorer], workers: int = 2, video: bool = False):
         from reward_models import build_scorer, get_entry
 
         self.specs = list(specs)
@@ -51,6 +74,11 @@ class RewardStage:
         self.weights = [s.weight for s in self.specs]
         self.kinds = [get_entry(s.name).kind for s in self.specs]
         self.scorers = [build_scorer({"name": s.name, **s.settings}) for s in self.specs]
+        for spec, scorer in zip(self.specs, self.scorers):
+            if problem := input_problem(spec.name, scorer, video):
+                for built in self.scorers:
+                    built.close()
+                raise ValueError(problem)
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reward")
 
     @property

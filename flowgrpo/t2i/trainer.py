@@ -28,9 +28,9 @@ from ..core.prompt_state import build_prompt_state, prompt_policy
 from ..scaling.sharding import full_state
 from ..run.clock import seconds_since
 from ..run import CheckpointParts, OptimizerStep, PromptSampler, RunLoop, build_ema, build_optimizer
-from . import adversarial, awm, dpo, gardo_methods, grpo, nft, sft  # noqa: F401  (register the methods)
+from . import adversarial, awm, dpo, gardo_methods, grpo, nft, reward_backprop, sft  # noqa: F401  (register the methods)
 from . import artifacts, edit_data
-from .config import T2IConfig
+from .config import T2IConfig, is_video_family
 from .data import PromptSet, load_prompt_set
 from .hacking_monitor import HackingMonitor
 from .objectives import reads_old_means
@@ -50,6 +50,7 @@ class T2ITrainer(RunLoop):
         cfg = config
         self.progress_label = f"t2i-{cfg.method}"
         self.eval_every = cfg.eval.every
+        self.video = is_video_family(cfg.model.family)  # decode gives clips [B, F, 3, H, W]: video scorers only
         if problem := resolution_problem_before_load(cfg.model, cfg.sampler.height, cfg.sampler.width):
             raise ConfigError(f"sampler.height / sampler.width: {problem}")
         sources = edit_data.ImageSpec(cfg.sampler.height, cfg.sampler.width, cfg.data.image_resize)  # edit rows
@@ -59,7 +60,7 @@ class T2ITrainer(RunLoop):
         ) or self.prompts.take(list(range(min(4, len(self.prompts)))))
         edit_data.check_family([*self.prompts.prompts, *self.eval_prompts.prompts], cfg.model.family)
         try:
-            self.rewards = RewardStage(cfg.rewards, cfg.reward_workers)
+            self.rewards = RewardStage(cfg.rewards, cfg.reward_workers, video=self.video)
         except (ValueError, KeyError) as err:
             raise ConfigError(f"rewards: {err}") from None
 
@@ -233,6 +234,8 @@ class T2ITrainer(RunLoop):
         rows = self.prompt_sampler.next(cfg.prompts_per_iteration)
         batch_prompts = self.prompts.take(rows)
         plan = build_plan(cfg.plan.name, cfg.sampler.num_steps, self.iteration, cfg.seed, **cfg.plan.settings)
+        if restrict := getattr(self.adapter, "restrict_plan", None):  # Wan 2.2 A14B: the trained experts' steps
+            plan = restrict(plan, self.sampler.schedule(self.adapter, plan))
         record["plan/trained_steps"] = len(plan.trained_steps)
         rollout = self._collect(record, batch_prompts, plan, self._grid_due() or self.method.needs_images)
         leaf, probe = self.guard.rewards(record, rollout.leaf_values, rollout.probe_values)  # +-inf -> NaN, counted
@@ -264,6 +267,7 @@ class T2ITrainer(RunLoop):
                 cfg.group_size // cfg.rollout_split,
                 cfg.artifacts.grid_images,
                 prompts=rollout.prompts,  # edit prompts: source | edits
+                fps=cfg.artifacts.video_fps,
             )
         self.monitor.step(record, self.iteration + 1)
 
@@ -277,8 +281,9 @@ class T2ITrainer(RunLoop):
     def ode_images(
         self, prompts: list[str], steps: int, per_prompt: int, seed: int, use_ema: bool, **sampler: Any
     ) -> torch.Tensor:
-        """Deterministic ODE samples of `prompts` from a fixed seed (EMA weights when kept and `use_ema`), decoded:
-        the held-out evaluation's and the hacking monitor's images. `sampler`: further SamplerConfig changes."""
+        """Deterministic ODE samples of `prompts` from a fixed seed (EMA weights when kept and `use_ema`), decoded
+        (images [N, 3, H, W]; a video family's clips [N, F, 3, H, W]): the held-out evaluation's and the hacking
+        monitor's samples. `sampler`: further SamplerConfig changes."""
         from pipelines.plans import build_plan
         from pipelines.sampler import Sampler
 
@@ -321,9 +326,11 @@ class T2ITrainer(RunLoop):
                 out[f"eval/{label}/mean"] = (
                     float(v[torch.isfinite(v)].mean()) if bool(torch.isfinite(v).any()) else math.nan
                 )
-        if self.dist.is_main:
+        if self.dist.is_main:  # a video family's grid is an MP4 / WebP beside the requested name
             grid = self.out / "grids" / f"eval_{tag}.png"
-            artifacts.save_grid(images, grid, n, 64, prompts=self.eval_prompts.prompts)  # edits: source | edit
+            fps = cfg.artifacts.video_fps
+            written = artifacts.save_grid(images, grid, n, 64, prompts=self.eval_prompts.prompts, fps=fps)
+            self._trackers().log_media(f"eval/{tag}", written, self.iteration, fps=fps)
         return out
 
     def _ema_weights(self, wanted: bool = True) -> Any:
@@ -345,10 +352,13 @@ class T2ITrainer(RunLoop):
 
         return swapped()
 
-    def log_record(self, record: dict[str, Any], step: int) -> None:
+    def _trackers(self) -> artifacts.Trackers:
         if self.trackers is None:
             self.trackers = artifacts.Trackers(self.out, self.cfg)
-        self.trackers.log(record, step)
+        return self.trackers
+
+    def log_record(self, record: dict[str, Any], step: int) -> None:
+        self._trackers().log(record, step)
 
     def progress_postfix(self, record: dict[str, Any]) -> dict[str, str]:
         """reward; kl_ref (KL to the reference model, where the loss computes one) and kl_old (the approximate KL
