@@ -13,6 +13,7 @@ DOCS = ROOT / "docs" / "gpu_validation.md"
 NOT_ON_CPU = {
     "peak memory GiB",
     "peak memory GiB (train step)",
+    "peak memory GiB (rollout)",
     "1-edge peak memory GiB, checkpointed",
     "1-edge peak memory GiB, not checkpointed",
 }  # no allocator statistics on CPU
@@ -48,8 +49,8 @@ def test_tiny_gpu_check_end_to_end(tmp_path):
 
     assert report["mode"] == "tiny" and report["info"]["peak_tflops"] == 1.0
     assert report["info"]["versions"]["torch"] and report["info"]["date"]
-    # SD3.5, FLUX, text LoRA with transformers, with vLLM (or its skip), text full fine-tune (fp32 + autocast)
-    assert len(report["sections"]) == 5
+    # SD3.5, FLUX, Wan, text LoRA with transformers, with vLLM (or its skip), text full fine-tune (fp32 + autocast)
+    assert len(report["sections"]) == 6
     full = report["sections"][-1]
     assert "full fine-tune" in full["title"] and full["settings"]["dtype"].startswith("float32 weights")
     ran = [s for s in report["sections"] if not s["skipped"]]
@@ -74,6 +75,12 @@ def test_tiny_gpu_check_end_to_end(tmp_path):
     ):
         assert sd35[key] > 0, key
     assert sd35["rollout TFLOP (counted, ours)"] > 0 and sd35["decoded images finite (1 = yes)"] == 1.0
+    wan = next(s for s in ran if "Wan2.1-T2V-14B" in s["title"])
+    assert (
+        wan["figures"]["rollout frames/s"] > 0
+        and wan["figures"]["train step s (1 edge: checkpointed fwd+bwd + AdamW)"] > 0
+    )
+    assert wan["settings"]["video"] == "5 frames x 32 x 32"
     for sec in ran:
         if "text GRPO" in sec["title"] or "full fine-tune" in sec["title"]:
             assert sec["figures"]["backward passes per step"] >= 1, sec["title"]  # a step that trains
@@ -122,3 +129,23 @@ def test_flowgrpo_gpu_check_command(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["gpu-check", "--skip", "vllm"]) == 2
     assert "no CUDA device here" in capsys.readouterr().err
+
+
+def test_wan_real_size_model_on_the_meta_device():
+    """The Wan check's real-size model: Wan2.1-T2V-14B's published transformer (14.3 B), 81 frames at 480 x 832 ->
+    21 x 60 x 104 latents (32,760 tokens), 512 text rows of width 4096 from the stand-in encoder; one forward."""
+    import torch
+
+    from flowgrpo.gpu_check import video
+    from pipelines.adapters import PromptEmbeds
+
+    adapter = video.wan_t2v(video.FULL, "meta", torch.bfloat16)
+    assert abs(sum(p.numel() for p in adapter.denoiser.parameters()) / 1e9 - 14.29) < 0.01
+    assert adapter.latent_shape(480, 832) == (16, 21, 60, 104) and adapter.image_seq_len(480, 832) == 32760
+    assert adapter.pipe.text_encoder.config.d_model == 4096 and adapter.max_sequence_length == 512
+    adapter.add_lora(rank=32)
+    rows = torch.zeros(1, 512, 4096, device="meta", dtype=torch.bfloat16)
+    x = torch.randn(1, *adapter.latent_shape(480, 832), device="meta")
+    with torch.no_grad():
+        out = adapter.model_output(x, torch.tensor([0.5], device="meta"), PromptEmbeds(rows, rows), 5.0, "full")
+    assert out.shape == x.shape and out.dtype == torch.float32

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 # torch and the model libraries are imported in main(), after the arguments: `--help` and a refused --out are instant
 
-CHECKS = ("sd35", "flux", "text", "vllm", "text_full")
+CHECKS = ("sd35", "flux", "wan", "text", "vllm", "text_full")
 _CHECKOUT = Path(__file__).resolve().parents[2]
 # the checkout's committed report (a full run from the repository); an installed package writes to the working folder
 DEFAULT_OUT = (
@@ -114,6 +114,9 @@ def main(argv: Optional[Sequence[str]] = None, invoked_as: str = "python scripts
     from .image import flux_check, sd35_check
     from .report import Report, write
     from .text import text_check
+    from .video import FULL as WAN_FULL
+    from .video import TINY as WAN_TINY
+    from .video import wan_check
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if not args.tiny and not device.startswith("cuda"):
@@ -142,6 +145,8 @@ def main(argv: Optional[Sequence[str]] = None, invoked_as: str = "python scripts
         check(lambda: sd35_check(sizes, info, dtype, speed, not args.no_compile), "SD3.5-Medium")
     if "flux" not in args.skip:
         check(lambda: flux_check(sizes, info, dtype, speed), "FLUX.1-dev")
+    if "wan" not in args.skip:
+        check(lambda: wan_check(WAN_TINY if args.tiny else WAN_FULL, info, dtype, speed), "Wan2.1-T2V-14B")
     for backend, key in (("transformers", "text"), ("vllm", "vllm")):
         if key not in args.skip:
             check(lambda b=backend: text_check(sizes, info, dtype, b), f"text ({backend})")
