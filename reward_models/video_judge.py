@@ -22,7 +22,7 @@ from .http_client import HttpSettings
 from .judge_client import JudgeClient, JudgeSettings
 from .registry import register, with_settings
 from .video import VideoScorer
-from .vlm_judge import SCORE_PATTERN, parse_score
+from .vlm_judge import SCORE_PATTERN, scores_of_replies
 from .wire import encode_mp4, frames_uint8
 
 VIDEO_INPUTS = ("frames", "video_url")
@@ -116,17 +116,7 @@ class VideoVLMJudge(VideoScorer):
         texts = [self.template.replace("{prompt}", p) for p in prompts]
         replies = self.client.ask_many([(self._content(c), t) for c, t in zip(clips, texts)])  # type: ignore[misc]
         self.last_replies.extend(replies)
-        raw = []
-        for reply in replies:
-            value = None if reply is None else parse_score(reply, self.pattern)
-            if reply is not None and value is None:
-                self.client.http.count("unparseable")
-            elif value is not None and not self.score_min <= value <= self.score_max:
-                self.client.http.count("out_of_range")
-                value = None
-            raw.append(float("nan") if value is None else value)
-        raw_t = torch.tensor(raw, dtype=torch.float32)
-        return {self.key: (raw_t - self.score_min) / (self.score_max - self.score_min), f"{self.key}/raw": raw_t}
+        return scores_of_replies(self, replies)
 
     def close(self) -> None:
         self.client.close()

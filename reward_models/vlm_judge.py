@@ -108,6 +108,23 @@ def parse_preference(text: str | None) -> float | None:
     return 1.0 if winners.pop() == "1" else 0.0
 
 
+def scores_of_replies(judge: Any, replies: list[str | None]) -> dict[str, torch.Tensor]:
+    """A pointwise judge's replies -> {key: score scaled to [0, 1], key/raw: the judge's number}; an unparseable or
+    out-of-range reply is NaN and counted. `judge` has key, pattern, score_min, score_max and client."""
+    raw = []
+    for reply in replies:
+        value = None if reply is None else parse_score(reply, judge.pattern)
+        if reply is not None and value is None:
+            judge.client.http.count("unparseable")
+        elif value is not None and not judge.score_min <= value <= judge.score_max:
+            judge.client.http.count("out_of_range")
+            value = None
+        raw.append(float("nan") if value is None else value)
+    raw_t = torch.tensor(raw, dtype=torch.float32)
+    low, high = judge.score_min, judge.score_max
+    return {judge.key: (raw_t - low) / (high - low), f"{judge.key}/raw": raw_t}
+
+
 class VLMJudge(Scorer):
     """Pointwise VLM judge: a score parsed from the reply, normalised to [0, 1]."""
 
@@ -144,17 +161,7 @@ class VLMJudge(Scorer):
         texts = [self.template.replace("{prompt}", p) for p in prompts]
         replies = self.client.ask_many([([im], t) for im, t in zip(images.pil(), texts)])
         self.last_replies.extend(replies)
-        raw = []
-        for reply in replies:
-            value = None if reply is None else parse_score(reply, self.pattern)
-            if reply is not None and value is None:
-                self.client.http.count("unparseable")
-            elif value is not None and not self.score_min <= value <= self.score_max:
-                self.client.http.count("out_of_range")
-                value = None
-            raw.append(float("nan") if value is None else value)
-        raw_t = torch.tensor(raw, dtype=torch.float32)
-        return {self.key: (raw_t - self.score_min) / (self.score_max - self.score_min), f"{self.key}/raw": raw_t}
+        return scores_of_replies(self, replies)
 
     def close(self) -> None:
         self.client.close()

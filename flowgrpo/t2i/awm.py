@@ -32,9 +32,9 @@ from pydantic import Field
 from torch import Tensor
 
 from ..config import ConfigError
-from ..core import GroupBatch, StrictModel, compute_advantages
+from ..core import StrictModel, compute_advantages
 from ..run.update import MiniBatch, MicroLoss, pass_generator, record_update, run_update
-from .methods import METHODS, ImageContext, ImageMethod, ScoredRollout
+from .methods import METHODS, ImageContext, ImageMethod, ScoredRollout, leaf_batch
 from .extra_lora import active_lora, add_frozen_lora
 
 TimeSampling = Literal["discrete", "discrete_wo_init", "logit_normal"]
@@ -184,18 +184,11 @@ class MatchingMethod(ImageMethod):
     def group_rewards(self, rollout: ScoredRollout, record: dict[str, Any]) -> tuple[Tensor, Tensor]:
         """(advantages [P * L], weighted rewards [P, L]) of every sample, global order; NaN rewards -> A = 0."""
         cfg = self.ctx.cfg
-        L = rollout.tree.leaves.shape[1]
-        values = rollout.leaf_values.view(-1, L, rollout.leaf_values.shape[-1])
-        batch = GroupBatch(
-            rewards=values,
-            reward_weights=[r.weight for r in cfg.rewards],
-            reward_names=[r.label for r in cfg.rewards],
-            head_nan_policy=cfg.advantage.head_nan_policy,
-        )
+        batch = leaf_batch(rollout, cfg)
         result = compute_advantages(batch, cfg.advantage)
         record.update(result.metrics)
-        weights = torch.tensor([r.weight for r in cfg.rewards], dtype=values.dtype)
-        return result.advantages.reshape(-1).float(), (values * weights).sum(-1)
+        weights = torch.tensor([r.weight for r in cfg.rewards], dtype=batch.rewards.dtype)
+        return result.advantages.reshape(-1).float(), (batch.rewards * weights).sum(-1)
 
     def update(self, rollout: ScoredRollout, record: dict[str, Any]) -> None:
         ctx = self.ctx

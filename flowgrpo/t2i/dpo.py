@@ -43,10 +43,10 @@ from pydantic import Field
 from torch import Tensor
 
 from ..config import ConfigError
-from ..core import GroupBatch, StrictModel, compute_advantages
+from ..core import StrictModel, compute_advantages
 from ..run.prompts import PromptSampler
 from ..run.update import MiniBatch, MicroLoss, pass_generator, record_update, run_update
-from .methods import METHODS, ImageContext, ImageMethod, ScoredRollout
+from .methods import METHODS, ImageContext, ImageMethod, ScoredRollout, leaf_batch
 
 
 class DPOConfig(StrictModel):
@@ -178,13 +178,7 @@ class DiffusionDPOMethod(ImageMethod):
     def _rewards(self, rollout: ScoredRollout, record: dict[str, Any]) -> Tensor:
         """Weighted rewards [P, L] of every group, global order (the advantage metrics are logged alike)."""
         cfg = self.ctx.cfg
-        L = rollout.tree.leaves.shape[1]
-        batch = GroupBatch(
-            rewards=rollout.leaf_values.view(-1, L, rollout.leaf_values.shape[-1]),
-            reward_weights=[r.weight for r in cfg.rewards],
-            reward_names=[r.label for r in cfg.rewards],
-            head_nan_policy=cfg.advantage.head_nan_policy,
-        )
+        batch = leaf_batch(rollout, cfg)
         record.update(compute_advantages(batch, cfg.advantage).metrics)
         return batch.scalar_rewards()
 

@@ -16,11 +16,11 @@ from typing import Any, ContextManager
 import torch
 from torch import Tensor
 
-from ..core import GroupBatch, LossNormalizer, compute_advantages, mean_sqdist, policy_loss
+from ..core import LossNormalizer, compute_advantages, mean_sqdist, policy_loss
 from .credit import Credit
 from .gardo import ReferenceSchedule, RiskController, gardo_advantages, gate, image_features, uncertainty
 from .grpo import GRPOMethod
-from .methods import METHODS, ImageContext, ScoredRollout
+from .methods import METHODS, ImageContext, ScoredRollout, leaf_batch
 from .extra_lora import active_lora, add_frozen_lora
 from .nft import NFTMethod
 from .objectives import EdgeBatch, EdgeLoss, EdgeObjective
@@ -84,8 +84,7 @@ class Gardo:
         L = rollout.tree.leaves.shape[1]
         values = rollout.leaf_values
         labels = [r.label for r in cfg.rewards]
-        batch = GroupBatch(rewards=values.view(-1, L, values.shape[-1]), reward_weights=[r.weight for r in cfg.rewards],
-                           reward_names=labels, head_nan_policy=cfg.advantage.head_nan_policy)  # fmt: skip
+        batch = leaf_batch(rollout, cfg)
         record.update(compute_advantages(batch, cfg.advantage).metrics)  # the reward metrics, logged alike
         main = values[:, labels.index(self.cfg.main_reward or labels[0])].double() * self.cfg.reward_scale
         feats = None

@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 
 from torch import Tensor
 
+from ..core.contracts import GroupBatch
 from ..core.registry import Registry
 from ..run.method import Method, MethodContext
 
@@ -48,6 +49,18 @@ class ScoredRollout:
     nodes_per_chunk: int  # nodes of one rollout batch (global <-> local edge ids)
     prompt_ids: Optional[Tensor] = None  # [P] the dataset row of each of batch_prompts (with prompt_state)
     prompt_state: Any = None  # the run's per-prompt state (flowgrpo.core.prompt_state.PromptTable), if a part reads it
+
+
+def leaf_batch(rollout: ScoredRollout, cfg: Any) -> GroupBatch:
+    """Every group's final-sample rewards [P, L, K] (global order) with the run's reward weights, names and NaN
+    policy: what a method's advantages or weighted rewards start from."""
+    L = rollout.tree.leaves.shape[1]
+    return GroupBatch(
+        rewards=rollout.leaf_values.view(-1, L, rollout.leaf_values.shape[-1]),
+        reward_weights=[r.weight for r in cfg.rewards],
+        reward_names=[r.label for r in cfg.rewards],
+        head_nan_policy=cfg.advantage.head_nan_policy,
+    )
 
 
 class ImageMethod(Method):

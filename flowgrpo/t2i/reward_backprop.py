@@ -42,9 +42,9 @@ from pydantic import Field, model_validator
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from ..core import GroupBatch, StrictModel, compute_advantages
+from ..core import StrictModel, compute_advantages
 from ..run.update import MiniBatch, MicroLoss, pass_generator, record_update, run_update
-from .methods import METHODS, ImageContext, ImageMethod, ScoredRollout
+from .methods import METHODS, ImageContext, ImageMethod, ScoredRollout, leaf_batch
 from pipelines.steps import step
 
 Form = Literal["draft_k", "refl", "alignprop"]
@@ -192,15 +192,7 @@ class RewardBackpropMethod(ImageMethod):
     def _metrics(self, rollout: ScoredRollout, record: dict[str, Any]) -> None:
         """The rollout's reward statistics (reward_mean, rewards/<name>/*, adv/*), as every method logs them."""
         cfg = self.ctx.cfg
-        L = rollout.tree.leaves.shape[1]
-        values = rollout.leaf_values.view(-1, L, rollout.leaf_values.shape[-1])
-        batch = GroupBatch(
-            rewards=values,
-            reward_weights=[r.weight for r in cfg.rewards],
-            reward_names=[r.label for r in cfg.rewards],
-            head_nan_policy=cfg.advantage.head_nan_policy,
-        )
-        record.update(compute_advantages(batch, cfg.advantage).metrics)
+        record.update(compute_advantages(leaf_batch(rollout, cfg), cfg.advantage).metrics)
 
     def _local_metadata(self, rollout: ScoredRollout) -> list[dict[str, Any]]:
         """The metadata of this rank's prompts, in local tree order (the trainer's chunk layout, rollout_split 1)."""
