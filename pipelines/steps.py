@@ -255,6 +255,31 @@ def flow_sde(x: Tensor, v: Tensor, schedule: FlowSchedule, i, *, a: float = 0.7)
     return Law(mean, std, x - s * v, "gaussian")
 
 
+@KERNELS.register("wan_sde")
+def wan_sde(x: Tensor, v: Tensor, schedule: FlowSchedule, i) -> Law:
+    """Flow-GRPO's Wan 2.1 SDE: flow_sde's drift with a noise level linear in sigma, and no setting.
+
+    std_dev_t = sigma_min + (sigma_1 - sigma_min) * sigma, with sigma_1 = sigmas[1] (the grid's SECOND sigma) and
+    sigma_min = sigmas[-1] of the schedule given; mean = x (1 - std_dev_t^2 dt / (2 sigma)) - v (1 + std_dev_t^2
+    (1 - sigma) / (2 sigma)) dt; std = std_dev_t sqrt(dt). From `sde_step_with_logprob` in
+    flow_grpo/diffusers_patch/wan_pipeline_with_logprob.py, read in the fork zhtmike/flow_grpo@def7b84 (not stored
+    for yifan123/flow_grpo, whose scripts/train_wan2_1.py@32b48fd calls it with the same signature).
+    """
+
+    def coefficients():
+        sigmas = _flow(schedule, "wan_sde").sigmas
+        s, s_next = _sigmas(schedule, i, x, "wan_sde")
+        dt = s - s_next
+        s_1, s_min = sigmas[1].to(s), sigmas[-1].to(s)
+        # no guard at sigma = 1 is needed: the noise level is bounded and sigma > 0 on every step
+        g2 = (s_min + (s_1 - s_min) * s) ** 2
+        return s, dt, 1 - g2 / (2 * s) * dt, 1 + g2 * (1 - s) / (2 * s), torch.sqrt(g2 * dt)
+
+    s, dt, x_coef, v_coef, std = _coefficients(schedule, i, x, ("wan_sde",), coefficients)
+    mean = (x * x_coef).sub_((v * v_coef).mul_(dt))
+    return Law(mean, std, x - s * v, "gaussian")
+
+
 @KERNELS.register("dance_sde")
 def dance_sde(x: Tensor, v: Tensor, schedule: FlowSchedule, i, *, eta: float = 0.3) -> Law:
     """DanceGRPO SDE: the same reverse-SDE drift with a constant diffusion g = eta; std = eta*sqrt(dt)."""

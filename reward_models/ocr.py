@@ -121,11 +121,12 @@ def normalise(text: str) -> str:
     return _SPACE.sub("", text).lower()
 
 
-def ocr_distance(recognised: str, target: str) -> tuple[float, int]:
-    """(reward, capped distance) for normalised strings; target must be non-empty."""
+def ocr_distance(recognised: str, target: str, substring_match: bool = True) -> tuple[float, int]:
+    """(reward, capped distance) for normalised strings; target must be non-empty. `substring_match`: the target
+    found inside the read text is distance 0 (Flow-GRPO's image OCR); False: the plain edit distance (its video OCR)."""
     from rapidfuzz.distance import Levenshtein
 
-    if target in recognised:
+    if substring_match and target in recognised:
         dist = 0
     else:
         dist = min(Levenshtein.distance(recognised, target), len(target))
@@ -144,8 +145,10 @@ class OCRScorer(Scorer):
         workers: int = 4,
         batch_size: int = 32,
         key: str | None = None,
+        substring_match: bool = True,
     ):
         super().__init__(batch_size=batch_size, key=key)
+        self.substring_match = bool(substring_match)
         if not callable(getattr(engine, "read", None)):
             raise TypeError(f"an OCR engine needs a read(image) method, got {type(engine).__name__}")
         if int(workers) < 1:
@@ -192,7 +195,7 @@ class OCRScorer(Scorer):
         for i, text in zip(todo, texts):
             recognised[i] = text
             if text is not None:
-                r, d = ocr_distance(normalise(text), targets[i])
+                r, d = ocr_distance(normalise(text), targets[i], self.substring_match)
                 reward[i], distance[i] = r, float(d)
         self.last_texts.extend(recognised)
         return {self.key: reward, f"{self.key}/distance": distance}
@@ -215,6 +218,7 @@ def build_ocr(
     workers: int = 4,
     batch_size: int = 32,
     key: str | None = None,
+    substring_match: bool = True,
 ) -> OCRScorer:
     """Flow-GRPO OCR reward: 1 - min(1, edit distance / len(target)), target quoted in the prompt."""
     if isinstance(engine, str):
@@ -226,4 +230,7 @@ def build_ocr(
             engine = OCR_ENGINES[engine]()
     if not math.isfinite(float(min_confidence)):
         raise ValueError("min_confidence must be finite")
-    return OCRScorer(engine, min_confidence=min_confidence, workers=workers, batch_size=batch_size, key=key)
+    return OCRScorer(
+        engine, min_confidence=min_confidence, workers=workers, batch_size=batch_size, key=key,
+        substring_match=substring_match,
+    )  # fmt: skip

@@ -1,7 +1,11 @@
 """Video rewards: clips [B, F, 3, H, W] float in [0, 1] (what a video adapter's decode gives) -> {key: float32 [B]}.
 
 per_frame:            any pointwise image scorer on every (or the chosen) frame of a clip, aggregated per clip by
-                      mean / min / max. A frame that could not be scored (NaN) makes its clip NaN.
+                      mean / min / max (a frame that could not be scored, NaN, makes its clip NaN) or positive_mean:
+                      Flow-GRPO's video OCR rule, the mean over the frames that score above 0, and 0 when none does
+                      (OcrScorer_video_or_image in flow_grpo/ocr.py, read in the fork zhtmike/flow_grpo@def7b84). There
+                      a frame whose OCR fails scores 0 and is left out; here a NaN frame is left out too, and the clip
+                      is NaN only when no chosen frame could be scored (the published code gives 0: not silently).
 temporal_consistency: mean cosine similarity of consecutive frames' features; by default the frames downsampled
                       (area) to `size` x `size` pixels, a dependency-free stand-in for a learned encoder (CLIP /
                       DINO features plug in through `temporal_consistency(clips, features=...)`). Pixel features
@@ -23,7 +27,7 @@ import torch.nn.functional as F
 from .base import Scorer, check_metadata, check_prompts
 from .registry import build_scorer, register
 
-AGGREGATES = ("mean", "min", "max")
+AGGREGATES = ("mean", "min", "max", "positive_mean")
 
 
 def check_videos(videos: Any, name: str) -> torch.Tensor:
@@ -85,6 +89,31 @@ def _reduce(scores: torch.Tensor, aggregate: str) -> torch.Tensor:
     return {"mean": scores.mean, "min": scores.amin, "max": scores.amax}[aggregate](dim=1)
 
 
+def _masked_mean(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Row means of `values` [B, K] over `keep`; rows keeping nothing give 0 (torch.where: no NaN in the gradient)."""
+    total = torch.where(keep, values, torch.zeros_like(values)).sum(1)
+    return total / keep.sum(1).clamp_min(1).to(values.dtype)
+
+
+def _positive_means(outputs: dict[str, torch.Tensor], key: str) -> dict[str, torch.Tensor]:
+    """positive_mean of every output [B, K] over the frames where `key` scores > 0 (NaN does not count).
+
+    The score of a clip with no such frame is 0, as published; its other outputs (e.g. ocr/distance) are then averaged
+    over the frames that could be scored. A clip none of whose frames could be scored is NaN in every output.
+    """
+    score = outputs[key]
+    scored = ~torch.isnan(score.detach())
+    counted = score.detach() > 0
+    fallback = counted.any(1, keepdim=True)
+    unscorable = ~scored.any(1)
+    result = {}
+    for name, values in outputs.items():
+        keep = counted if name == key else torch.where(fallback, counted, scored)
+        mean = _masked_mean(values, keep)
+        result[name] = torch.where(unscorable, torch.full_like(mean, float("nan")), mean)
+    return result
+
+
 class PerFrameScorer(VideoScorer):
     """An image scorer on the chosen frames of each clip (prompts and metadata repeated per frame), aggregated."""
 
@@ -126,7 +155,12 @@ class PerFrameScorer(VideoScorer):
         repeat = lambda values: [v for v in values for _ in range(k)]  # noqa: E731
         out = self.scorer(frames, repeat(prompts), {name: repeat(v) for name, v in metadata.items()})
         inner = self.scorer.key
-        return {self.key + name[len(inner) :]: _reduce(v.view(b, k), self.aggregate) for name, v in out.items()}
+        per_frame = {name: v.view(b, k) for name, v in out.items()}
+        if self.aggregate == "positive_mean":
+            reduced = _positive_means(per_frame, inner)
+        else:
+            reduced = {name: _reduce(v, self.aggregate) for name, v in per_frame.items()}
+        return {self.key + name[len(inner) :]: v for name, v in reduced.items()}
 
     def to(self, device=None, dtype=None):
         self.scorer.to(device, dtype)
@@ -207,7 +241,8 @@ def build_per_frame(
     *, reward: Any, aggregate: str = "mean", frames: Sequence[int] | None = None, batch_size: int = 8,
     key: str | None = None,
 ) -> PerFrameScorer:  # fmt: skip
-    """An image scorer (reward: a name or {name, **settings}) on each frame of a clip, aggregated mean / min / max."""
+    """An image scorer (reward: a name or {name, **settings}) on each frame of a clip, aggregated mean / min / max /
+    positive_mean (mean over frames scoring > 0, else 0: Flow-GRPO's video OCR)."""
     return PerFrameScorer(build_scorer(reward), aggregate=aggregate, frames=frames, batch_size=batch_size, key=key)
 
 

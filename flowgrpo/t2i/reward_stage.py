@@ -44,7 +44,7 @@ def input_problem(name: str, scorer: Any, video: bool) -> Optional[str]:
     if video and not isinstance(scorer, VideoScorer):
         return (
             f"scorer '{name}' scores images [B, 3, H, W], but this model makes video clips [B, F, 3, H, W]: wrap it "
-            f"as {{name: per_frame, reward: {{name: {name}}}}} (aggregate: mean | min | max) or use a video scorer "
+            f"as {{name: per_frame, reward: {{name: {name}}}}} (aggregate: mean | min | max | positive_mean) or use a video scorer "
             f"({VIDEO_SCORERS})"
         )
     if not video and isinstance(scorer, VideoScorer):

@@ -115,14 +115,16 @@ VIDEO_PINS: dict[str, dict[str, Any]] = {
         "sampler.width": 416,
         "sampler.schedule.name": "scheduler",
         "sampler.share_noise": False,
+        "sampler.sde_kernel.name": "wan_sde",  # std_dev_t = sigma_min + (sigma_1 - sigma_min) sigma
         "plan.name": "full_sde",
         "plan.train_fraction": 0.99,
         "group_size": 4,
         "prompts_per_iteration": 4,  # 1 process x 8 x 2 batches / 4
         "rollout_prompts": 2,
         "rewards.0.name": "per_frame",
-        "rewards.0.reward": "ocr",
+        "rewards.0.reward": {"name": "ocr", "substring_match": False},
         "rewards.0.frames": [0, 4, 8, 12, 16, 20, 24, 28, 32],  # frame_interval 4
+        "rewards.0.aggregate": "positive_mean",  # the mean over frames with reward > 0, else 0
         "advantage.estimator.name": "grpo",
         "advantage.estimator.std_scope": "group",  # global_std False
         "advantage.estimator.unbiased": False,
@@ -133,6 +135,7 @@ VIDEO_PINS: dict[str, dict[str, Any]] = {
         "loss.bounds.eps": 1e-3,  # clip_range 1e-3
         "loss.kl.estimator": "gaussian",  # / (2 (std_dev_t sqrt(dt))^2): the transition variance
         "loss.kl.coef": 0.004,
+        "loss.step_weighting.name": "std_over_dt",  # policy_loss * std_dev_t.mean() / sqrt(dt).mean()
         "optim.lr": 1e-4,
         "optim.weight_decay": 1e-4,
         "optim.betas": [0.9, 0.999],
@@ -182,3 +185,6 @@ def test_wan_launch_arithmetic_and_trained_steps():
     plan = build_plan(cfg.plan.name, cfg.sampler.num_steps, 0, 0, **cfg.plan.settings)
     assert list(plan.trained_steps) == list(range(19))  # int(20 * 0.99), no time shuffle
     assert cfg.rewards[0].settings["frames"] == list(range(0, 33, 4))  # video[::4] of 33 frames
+    assert (
+        cfg.sampler.sde_kernel.settings == {}
+    )  # the published SDE has no noise-level setting (sample.noise_level unused)

@@ -29,7 +29,7 @@ def _xv(b=3, dtype=torch.float32):
 
 
 def test_registry_names_every_kernel():
-    assert KERNELS.names() == ["cps", "dance_sde", "ddim", "dpm2m", "flow_sde", "ode"]
+    assert KERNELS.names() == ["cps", "dance_sde", "ddim", "dpm2m", "flow_sde", "ode", "wan_sde"]
 
 
 @pytest.mark.parametrize("kernel,cfg,sched,_", STOCHASTIC, ids=IDS)

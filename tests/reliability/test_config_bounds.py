@@ -357,6 +357,7 @@ PART_KEYS = {
     "bounds": ("loss.bounds", "loss.bounds"),
     "surrogate": ("loss.surrogate", "loss.surrogate"),
     "aggregation": ("loss.aggregation", "loss.aggregation"),
+    "step weighting": ("loss.step_weighting", "loss.step_weighting"),
     "kernel": ("sampler.sde_kernel", "sampler.sde_kernel"),
     "sigma grid": ("sampler.schedule", "sampler.schedule"),
     "rollout plan": ("plan", "plan"),
@@ -404,7 +405,7 @@ def test_every_bounded_setting_refuses_a_value_outside_naming_the_key(kind, name
 
 
 def _registry(kind: str) -> Any:
-    from flowgrpo.core import AGGREGATIONS, BOUNDS, ESTIMATORS, REGULARIZERS, SURROGATES
+    from flowgrpo.core import AGGREGATIONS, BOUNDS, ESTIMATORS, REGULARIZERS, STEP_WEIGHTINGS, SURROGATES
     from flowgrpo.core.prompt_state import PROMPT_SAMPLERS
     from flowgrpo.core.transforms import TRANSFORMS
     from pipelines.plans import PLANS
@@ -412,7 +413,7 @@ def _registry(kind: str) -> Any:
     from pipelines.steps import KERNELS
 
     regs = [ESTIMATORS, TRANSFORMS, BOUNDS, SURROGATES, AGGREGATIONS, REGULARIZERS, PROMPT_SAMPLERS, KERNELS]
-    regs += [SIGMA_GRIDS, PLANS]
+    regs += [SIGMA_GRIDS, PLANS, STEP_WEIGHTINGS]
     return next(r for r in regs if r.kind == kind)
 
 
