@@ -4,6 +4,7 @@
     HF_HUB_OFFLINE=1 python scripts/bench.py                       # all 14 tiny recipes, 3 iterations after 1 warm-up
     HF_HUB_OFFLINE=1 python scripts/bench.py --recipes flow_grpo,branchgrpo --iterations 1 --warmup 0
     HF_HUB_OFFLINE=1 python scripts/bench.py --gpu                 # NOT YET RUN: SD3.5-M-sized random transformer, 512 px
+    HF_HUB_OFFLINE=1 python scripts/bench.py --to-reward-rise 0.005 # each recipe's counts / time to reach a reward
 
 Every recipe runs in its own Python process (peak memory is then the recipe's own; one recipe's state
 cannot leak into the next), one after the other. Each builds a T2ITrainer from configs/t2i/tiny/<recipe>.yaml
@@ -25,7 +26,13 @@ A second part builds the plans at BranchGRPO's published FLUX settings (20 steps
 splits {0, 3, 6, 9}, window 4) on a tiny FLUX and counts one iteration, next to the published NFE table.
 
 The parts, one module each under scripts/bench_t2i/: probes (the timing hooks), closed_form (the expected
-counts), recipes (one recipe), published (the published settings), gpu (GPU mode), report (JSON / markdown).
+counts), recipes (one recipe), published (the published settings), gpu (GPU mode), report (JSON / markdown),
+to_reward (the compute-normalised comparison).
+
+--to-reward R / --to-reward-rise D: instead, train every recipe (same seed) until its rollout reward (a running
+mean) first reaches R, or its own first-iteration reward + D, and report the iterations, counted denoiser rows,
+backward passes, reward calls and seconds it took; writes docs/bench_t2i_to_reward.json and the section
+"## Compute to reach a reward (tiny models, CPU)".
 
 Writes --json (docs/bench_t2i.json) and the section "## Text-to-image recipes (tiny models, CPU)" of
 --markdown (docs/benchmarks.md, created with "# Benchmarks" if missing; other sections are kept).
@@ -57,6 +64,8 @@ from scripts.bench_t2i.gpu import GPU_SECTION, bench_gpu, gpu_markdown  # noqa: 
 from scripts.bench_t2i.published import PUBLISHED, bench_published  # noqa: E402
 from scripts.bench_t2i.recipes import RECIPES, bench_recipe  # noqa: E402
 from scripts.bench_t2i.report import SECTION, git_state, machine, markdown, versions, write_section  # noqa: E402,F401
+from scripts.bench_t2i.to_reward import SECTION as TO_REWARD_SECTION  # noqa: E402
+from scripts.bench_t2i.to_reward import bench_to_reward, to_reward_markdown  # noqa: E402
 
 # --- main ------------------------------------------------------------------------------------------
 
@@ -70,7 +79,7 @@ def _json_default(obj):
 def _run_worker(kind: str, names: str, args, tmp: Path) -> dict:
     """Run one worker in its own process (or in this one with --in-process); its result dict."""
     if args.in_process:
-        return bench_recipe(names, args) if kind == "recipe" else bench_published(names.split(","), args)
+        return _work(kind, names, args)
     out = tmp / f"{kind}_{names.replace(',', '_')}.json"
     cmd = [
         sys.executable,
@@ -87,6 +96,7 @@ def _run_worker(kind: str, names: str, args, tmp: Path) -> dict:
         str(args.num_threads),
         "--out-dir",
         str(args.out_dir),
+        *(_to_reward_argv(args) if kind == "reward" else []),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0 or not out.exists():
@@ -95,6 +105,49 @@ def _run_worker(kind: str, names: str, args, tmp: Path) -> dict:
     if proc.stderr.strip():
         sys.stderr.write(proc.stderr)
     return json.loads(out.read_text())
+
+
+def _to_reward_argv(args) -> list[str]:
+    out = ["--to-reward-max-iterations", str(args.to_reward_max_iterations)]
+    out += ["--to-reward-window", str(args.to_reward_window)]
+    if args.to_reward is not None:
+        return out + ["--to-reward", str(args.to_reward)]
+    return out + ["--to-reward-rise", str(args.to_reward_rise)]
+
+
+def _work(kind: str, names: str, args) -> dict:
+    if kind == "recipe":
+        return bench_recipe(names, args)
+    if kind == "reward":
+        return bench_to_reward(names, args)
+    return bench_published(names.split(","), args)
+
+
+def _to_reward(args, result: dict, tmp: Path) -> dict:
+    """Every recipe until it reaches the target: docs/bench_t2i_to_reward.json and its markdown section."""
+    result["settings"].update(
+        {k: getattr(args, k) for k in ("to_reward", "to_reward_rise", "to_reward_window", "to_reward_max_iterations")}
+    )
+    result["to_reward"] = {}
+    for name in [r for r in args.recipes.split(",") if r]:
+        try:
+            res = _run_worker("reward", name, args, tmp)
+            at = res["reached_at"] or f"not reached in {res['iterations_run']}"
+            print(f"{name}: {at} iterations, {res['cpu_s']:.1f} CPU s", file=sys.stderr, flush=True)
+        except Exception as err:  # keep going: one broken recipe must not hide the others
+            res = {"recipe": name, "error": f"{type(err).__name__}: {err}"}
+            print(f"{name}: FAILED {res['error']}", file=sys.stderr, flush=True)
+        result["to_reward"][name] = res
+    result["load_after"] = [round(x, 2) for x in os.getloadavg()]
+    path = (
+        Path(args.json)
+        if args.json != str(ROOT / "docs" / "bench_t2i.json")
+        else ROOT / "docs" / "bench_t2i_to_reward.json"
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, default=_json_default) + "\n")
+    write_section(Path(args.markdown), to_reward_markdown(result), TO_REWARD_SECTION)
+    return result
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -116,6 +169,13 @@ def main(argv: list[str] | None = None) -> dict:
         action="store_true",
         help="run every recipe in this process (faster start; peak memory is then cumulative)",
     )
+    t = p.add_argument_group("compute to reach a reward (instead of the count part)")
+    t.add_argument("--to-reward", type=float, default=None, help="target: this absolute rollout reward")
+    t.add_argument(
+        "--to-reward-rise", type=float, default=None, help="target: the recipe's first-iteration reward + this"
+    )
+    t.add_argument("--to-reward-window", type=int, default=3, help="running mean over this many iterations")
+    t.add_argument("--to-reward-max-iterations", type=int, default=40, help="stop here if never reached")
     g = p.add_argument_group("GPU mode (written, NOT YET RUN on a GPU)")
     g.add_argument("--gpu", action="store_true", help="SD3.5-M-sized random transformer instead of the tiny recipes")
     g.add_argument("--gpu-device", default="cuda")
@@ -132,10 +192,14 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     if args.iterations < 1 or args.warmup < 0:
         p.error("--iterations must be >= 1 and --warmup >= 0")
+    if args.to_reward is not None and args.to_reward_rise is not None:
+        p.error("--to-reward and --to-reward-rise: give one target, not both")
+    if args.to_reward_window < 1 or args.to_reward_max_iterations < 1:
+        p.error("--to-reward-window and --to-reward-max-iterations must be >= 1")
 
     if args.worker:  # child process: one recipe or the published settings
         kind, names = args.worker.split(":", 1)
-        res = bench_recipe(names, args) if kind == "recipe" else bench_published(names.split(","), args)
+        res = _work(kind, names, args)
         res.pop("trainer", None)
         Path(args.worker_out).write_text(json.dumps(res, default=_json_default))
         return res
@@ -158,6 +222,8 @@ def main(argv: list[str] | None = None) -> dict:
             "git": git_state(),
             "load_before": [round(x, 2) for x in os.getloadavg()],
         }
+        if args.to_reward is not None or args.to_reward_rise is not None:
+            return _to_reward(args, result, Path(tmp))
         if args.gpu:
             result["gpu"] = bench_gpu(args)
             result["gpu"]["iterations"] = [{k: v for k, v in r.items()} for r in result["gpu"]["iterations"]]

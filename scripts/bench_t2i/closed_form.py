@@ -14,7 +14,7 @@ def _chunk_sizes(n: int, chunks: int) -> list[int]:
     return [min(size, n - s) for s in range(0, n, size)]
 
 
-def closed_form(cfg, iteration: int) -> dict[str, Any]:
+def closed_form(cfg, iteration: int, record: dict[str, Any] | None = None) -> dict[str, Any]:
     """Rows through the denoiser, backward passes, reward calls and images of one iteration, from the plan.
 
     W_d = nodes at depth d of one root's tree (W_0 = 1, W_{i+1} = W_i * branch_i); L = leaves per root;
@@ -25,7 +25,10 @@ def closed_form(cfg, iteration: int) -> dict[str, Any]:
       branch_points: T + k * sum_p (T - 1 - p) no-grad (spine + each side child ODE-completed); k * |points| grad
       probes:        T + sum_{d in probes} (T - d) no-grad (one-step probes: T); |window| grad
       nft:           + n_t old-policy rows no-grad and n_t grad per image, n_t = max(1, floor(T * timestep_fraction))
-    Edges with advantage exactly 0 are dropped by the trainer; this count assumes there are none.
+    The update of a method that trains on clean samples instead of edges (flowgrpo/t2i/{awm,sft,dpo,
+    gardo_methods}.py, closed forms in update_counts below) replaces the edge part. Edges with advantage exactly
+    0 are dropped by the trainer; this count assumes there are none (and no tied rewards, no NaN rewards).
+    `record` (the iteration's metrics) is read only for GARDO's gated samples, a data-dependent count.
     """
     from pipelines.plans import build_plan
 
@@ -96,22 +99,30 @@ def closed_form(cfg, iteration: int) -> dict[str, Any]:
                 )
 
     images = P * G
-    grad, backward, policy_update = 0.0, 0, True
+    grad, backward, policy_update, extra_calls = 0.0, 0, True, 0
     epochs, minis, micro = cfg.train.inner_epochs, cfg.train.mini_batches, cfg.train.micro_batch_size
     if cfg.adversarial.enabled and (iteration + 1) % cfg.adversarial.d_times != 0:
         policy_update = False  # a discriminator iteration: the policy does not train
         formula += "; discriminator iteration: no policy update"
-    elif cfg.method == "nft":
-        n_t = max(1, int(T * cfg.nft.timestep_fraction))
-        grad = n_t * epochs * images
-        nograd += grad * (2 if cfg.nft.kl_coef else 1)
-        backward = epochs * sum(math.ceil(m / micro) for m in _chunk_sizes(images, minis)) * n_t
-        formula += f"; NFT n_t = {n_t}: + {n_t} old-policy no-grad, {n_t} grad per image"
-    else:
+    elif cfg.method in SAMPLE_METHODS:
+        u = update_counts(cfg, T, P, G, record)
+        grad, backward, extra_calls = u["grad"], u["backward"], u.get("extra_reward_calls", 0)
+        nograd += u["nograd"]
+        formula += "; " + u["formula"]
+        simple = simple and u["simple"]
+    elif cfg.method in ("grpo", "grpo_gardo"):
         grad = c_train * edges * epochs
         if cfg.loss.kl.coef:
             nograd += grad  # the reference re-scores every trained edge
         backward = epochs * sum(math.ceil(m / micro) for m in _chunk_sizes(edges, minis))
+        if cfg.method == "grpo_gardo":
+            ref, text, ok = _gardo_grpo_reference(cfg, P * G, edges_per_root, record)
+            nograd += ref
+            formula += "; " + text
+            simple = simple and ok
+    else:
+        grad, backward, simple = math.nan, math.nan, False
+        formula += f"; no closed form for method '{cfg.method}'"
     return {
         "plan": plan.name,
         "images": images,
@@ -119,8 +130,8 @@ def closed_form(cfg, iteration: int) -> dict[str, Any]:
         "nfe_grad": grad,
         "rollout_nfe_nograd": c_roll * P * per_prompt if per_prompt is not None else math.nan,
         "backward_passes": backward,
-        "reward_calls": (P // cfg.rollout_prompts) * len(cfg.rewards),
-        "edges_trained": edges if policy_update and cfg.method != "nft" else 0,
+        "reward_calls": (P // cfg.rollout_prompts) * len(cfg.rewards) + extra_calls,
+        "edges_trained": edges if policy_update and cfg.method in ("grpo", "grpo_gardo") else 0,
         "simple": simple,
         "formula": formula,
         "pruned_edges_per_root": pruned,
@@ -145,3 +156,154 @@ def _pruned_edges(cfg, plan, W: list[int], iteration: int) -> int | None:
         return None
     n = len(after)  # last-layer edges of one leaf chain; the top ceil(n * ratio) by advantage are kept
     return W[-1] * (n - math.ceil(n * e.width_pruning))
+
+
+# --- methods that train on clean samples (forward-process terms) instead of re-scored edges ----------------------
+
+SAMPLE_METHODS = ("nft", "nft_gardo", "awm", "sft", "diffusion_dpo", "reward_backprop")
+
+
+def _micro_batches(n: int, cfg) -> int:
+    """Micro-batches of n rows over the mini-batches of one pass (torch.chunk, then split by micro_batch_size)."""
+    return sum(math.ceil(m / cfg.train.micro_batch_size) for m in _chunk_sizes(n, cfg.train.mini_batches))
+
+
+def _gated(cfg, samples: int, record: dict[str, Any] | None) -> int | None:
+    """GARDO's gated samples of the iteration (data-dependent: the top uncertainty fraction, ties excluded), read
+    from the record's gardo/gated_fraction; every sample without uncertainty rewards; None without a record."""
+    if not cfg.gardo.uncertainty_rewards:
+        return samples
+    if record is None or record.get("gardo/gated_fraction") is None:
+        return None
+    return round(float(record["gardo/gated_fraction"]) * samples)
+
+
+def _gardo_grpo_reference(cfg, samples: int, steps: int, record: dict[str, Any] | None) -> tuple[float, str, bool]:
+    """grpo_gardo's reference re-scores (no grad): the trained edges of the gated samples (K = `steps` per chain);
+    with `ungated: all` a micro-batch without a gated edge re-scores all its edges."""
+    g = cfg.gardo
+    if not g.kl_coef:
+        return 0, "GARDO KL off", True
+    n = _gated(cfg, samples, record)
+    if n is None:
+        return math.nan, "GARDO reference rows need the record's gated fraction", False
+    one_micro = cfg.train.mini_batches == 1 and samples * steps <= cfg.train.micro_batch_size
+    if g.ungated == "all" and n == 0:
+        rows, ok = samples * steps, True
+    else:
+        rows, ok = n * steps, g.ungated == "none" or one_micro or n == samples
+    epochs = cfg.train.inner_epochs
+    return epochs * rows, f"GARDO reference: {n} gated samples x {steps} edges no-grad", ok
+
+
+def update_counts(cfg, T: int, P: int, G: int, record: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Denoiser rows without / with grad and backward passes of the update of a method in SAMPLE_METHODS, for P
+    prompts x G samples of T steps. E = train.inner_epochs; a term = one micro-batch at one training time (one
+    backward); m(n) = micro-batches of n rows over the mini-batches of a pass.
+      nft:           n_t = max(1, floor(T * nft.timestep_fraction)) terms per micro-batch; grad n_t E PG; no-grad
+                     the old policy's n_t E PG (+ the same again for the base-model KL); backward n_t E m(PG)
+      nft_gardo:     nft's, + the gated reference rows n_gated n_t E (every row of a micro-batch without a gated
+                     one under `ungated: all`)
+      awm / sft:     S kept samples (awm: all PG; sft top_k: P min(k, G), rwr: PG), tau = timesteps per sample:
+                     grad tau E S; backward tau E m(S); no-grad (velocity penalties: kl_coef, awm's ema_kl_coef)
+                     x grad rows, + awm's old log-probs: every term after the first mini-batch, tau (E S - S_1)
+      diffusion_dpo: M pairs (online best_worst: P; margin 0: P G (G - 1) / 2; offline: pairs_per_iteration),
+                     tau = dpo.timesteps: grad 2 tau E M, no-grad (reference) 2 tau E M, backward tau E m(M)
+      reward_backprop: grad K E PG (K: draft_k k, refl 1, alignprop drawn per micro-batch), backward E m(PG), and
+                       E m(PG) calls of every scorer in the update
+    """
+    method, E = cfg.method, cfg.train.inner_epochs
+    images, simple = P * G, True
+    if method in ("nft", "nft_gardo"):
+        n_t = max(1, int(T * cfg.nft.timestep_fraction))
+        grad = n_t * E * images
+        nograd = grad * (2 if cfg.nft.kl_coef else 1)
+        backward = n_t * E * _micro_batches(images, cfg)
+        formula = f"NFT n_t = {n_t}: + {n_t} old-policy no-grad, {n_t} grad per image"
+        if method == "nft_gardo" and cfg.gardo.kl_coef:
+            n = _gated(cfg, images, record)
+            one_micro = cfg.train.mini_batches == 1 and images <= cfg.train.micro_batch_size
+            if n is None:
+                ref, simple = math.nan, False
+            elif n == 0:
+                ref = grad if cfg.gardo.ungated == "all" else 0
+            else:
+                ref, simple = n * n_t * E, one_micro or n == images
+            nograd += ref
+            formula += f"; GARDO reference: {n} gated samples x {n_t} times no-grad"
+            if n == 0 and cfg.gardo.ungated == "all":
+                formula += " (none gated: every row, `ungated: all`)"
+        return {"grad": grad, "nograd": nograd, "backward": backward, "formula": formula, "simple": simple}
+    if method in ("awm", "sft"):
+        s = getattr(cfg, method)
+        kept = P * min(s.top_k, G) if method == "sft" and s.mode == "top_k" else images
+        tau = s.timesteps
+        grad = tau * E * kept
+        penalties = int(bool(s.kl_coef)) + int(method == "awm" and bool(cfg.awm.ema_kl_coef))
+        nograd = penalties * grad
+        formula = f"{kept} kept samples x {tau} times: grad {grad}"
+        if penalties:
+            formula += f"; {penalties} velocity penalt{'y' if penalties == 1 else 'ies'} no-grad {penalties * grad}"
+        if method == "awm":
+            first = (_chunk_sizes(kept, cfg.train.mini_batches) or [0])[0]
+            old = tau * (E * kept - first)
+            nograd += old
+            formula += f"; old log-probs after the first mini-batch: {old} no-grad"
+        return {
+            "grad": grad,
+            "nograd": nograd,
+            "backward": tau * E * _micro_batches(kept, cfg),
+            "formula": formula,
+            "simple": True,
+        }
+    if method == "diffusion_dpo":
+        d = cfg.dpo
+        if d.data:
+            pairs, where = d.pairs_per_iteration, "offline"
+        elif d.pairs == "best_worst":
+            pairs, where = P, "best vs worst of each group"
+        elif d.margin == 0:
+            pairs, where = P * G * (G - 1) // 2, "every ordered pair of distinct rewards"
+        elif record is not None and record.get("dpo/pairs") is not None:
+            pairs, where = int(record["dpo/pairs"]), "pairs above the margin (from the record)"
+        else:
+            pairs, where, simple = 0, "pairs above the margin need the record", False
+        tau = d.timesteps
+        rows = 2 * tau * E * pairs
+        return {
+            "grad": rows,
+            "nograd": rows,
+            "backward": tau * E * _micro_batches(pairs, cfg),
+            "formula": f"DPO {pairs} pairs ({where}) x {tau} times: 2 grad + 2 reference no-grad rows each",
+            "simple": simple,
+        }
+    if method == "reward_backprop":
+        return _reward_backprop_counts(cfg, T, images, record)
+    raise ValueError(f"update_counts: method {method!r} is not one of {SAMPLE_METHODS}")
+
+
+def _reward_backprop_counts(cfg, T: int, images: int, record: dict[str, Any] | None) -> dict[str, Any]:
+    """reward_backprop (flowgrpo/t2i/reward_backprop.py): per micro-batch of B samples, K steps with grad from the
+    stored state before the window (draft_k: K = k; refl: 1; alignprop: K drawn per micro-batch, the random input
+    read from the method's seeded draw), then one call of each scorer on the decoded result. Grad B K (x2 under
+    CFG; checkpointing recomputes them in backward, which the hooks see and the counters do not), no no-grad rows
+    beyond the rollout, one backward per micro-batch."""
+    s, E = cfg.reward_backprop, cfg.train.inner_epochs
+    c = 1 if cfg.sampler.cfg_mode == "none" else 2
+    micros = _micro_batches(images, cfg) * E
+    if s.form in ("draft_k", "refl"):
+        K = s.k if s.form == "draft_k" else 1
+        grad, text = c * K * E * images, f"{s.form}: K = {K} grad steps per sample"
+    else:
+        from flowgrpo.t2i.reward_backprop import grad_rows
+
+        grad = grad_rows(cfg, record["iteration"] - 1, images) if record else math.nan
+        text = "alignprop: K drawn per micro-batch (the method's seeded draw): grad sum_micro B K"
+    return {
+        "grad": grad,
+        "nograd": 0,
+        "backward": micros,
+        "formula": f"{text}; + {micros} x {len(cfg.rewards)} scorer calls in the update",
+        "simple": not math.isnan(grad),
+        "extra_reward_calls": micros * len(cfg.rewards),
+    }

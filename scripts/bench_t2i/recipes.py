@@ -29,6 +29,16 @@ RECIPES = (
     "diffusion_nft",
     "vgpo",
     "adv_grpo",
+    "awm",
+    "sft_best_of_n",
+    "diffusion_dpo_online",
+    "diffusion_dpo_offline",
+    "flow_dppo",
+    "gardo",
+    "gardo_nft",
+    "draft_k",
+    "refl",
+    "alignprop",
 )
 
 
@@ -105,13 +115,13 @@ def drive(cfg, warmup: int, iterations: int, before_iteration=None) -> dict[str,
     try:
         for k in range(warmup + iterations):
             it = trainer.iteration
-            expected = closed_form(cfg, it)
             if before_iteration is not None:
                 before_iteration()
             mark = len(probe.calls)
             cpu0, t0 = time.process_time(), time.perf_counter()
             record = trainer.train_iteration()
             t1, cpu1 = time.perf_counter(), time.process_time()
+            expected = closed_form(cfg, it, record)  # the record: only for data-dependent counts (GARDO's gate)
             row = {
                 "iteration": it + 1,
                 "warmup": k < warmup,

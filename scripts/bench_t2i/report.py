@@ -305,7 +305,16 @@ def markdown(result: dict) -> str:
         "Closed forms used (per image; W_d = nodes at depth d of one root's tree, L = leaves per root): "
         "chain plans T no-grad, K trained steps grad; tree sum_(d<T) W_d / L no-grad, trained edges per leaf "
         "grad; branch points T + k sum_p (T-1-p) no-grad, k |points| grad; probes T + sum_d (T-d) no-grad "
-        "(one-step probes: T), |window| grad; DiffusionNFT + n_t old-policy no-grad and n_t grad. Per recipe "
+        "(one-step probes: T), |window| grad; DiffusionNFT + n_t old-policy no-grad and n_t grad. Methods that "
+        "train on clean samples (per iteration; E inner epochs, a term = one micro-batch at one time = one backward): "
+        "AWM / SFT tau E S grad over S kept samples (AWM all, SFT top-k P min(k, G)), each velocity penalty (KL to "
+        "the reference, AWM's EMA KL) the same rows again without grad, AWM's old log-probs tau (E S - S_1) no-grad "
+        "(every term after the first mini-batch); Diffusion-DPO 2 tau E M grad and 2 tau E M reference rows for M "
+        "pairs (online best_worst: P; offline: pairs_per_iteration); GARDO + the reference's rows on the gated "
+        "samples (K edges or n_t times each; the gated count is data-dependent and read from the record); reward "
+        "backprop (DRaFT-K, ReFL, AlignProp) K grad rows per sample (AlignProp's K drawn per micro-batch, read from "
+        "its seeded draw), one backward and one call of each scorer per micro-batch (the hooks also see the grad "
+        "rows that gradient checkpointing recomputes in backward: hook and counter rows differ there). Per recipe "
         "the formula with its numbers is in the JSON (`formula_first_iteration`; each iteration's closed form under `iterations`).",
         "",
         "Reading:",

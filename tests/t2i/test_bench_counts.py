@@ -24,8 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 RECORDED = json.loads((ROOT / "docs" / "bench_t2i.json").read_text())
 # full_sde (the reference), the tree plan, a progressive window (counts change between iterations), the NFT
-# objective. Not flow_grpo_fast / branchgrpo_mix / adv_grpo: docs/bench_t2i.json recorded them on SD3, before
-# their tiny recipes moved to FLUX (the recorded family differs, and branchgrpo_mix's first-iteration grad rows).
+# objective; four cheap ones keep this test short (the clean-sample methods' closed forms: test_bench_methods.py).
 PINNED = ("flow_grpo", "branchgrpo", "mixgrpo_flash", "diffusion_nft")
 
 

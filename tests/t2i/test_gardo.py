@@ -129,7 +129,7 @@ def test_one_nft_gardo_iteration(recipe_config):
     old_rows = r["nfe_grad"]  # the old policy runs on every trained row
     ref_rows = r["nfe_nograd"] - r["rollout_nfe_nograd"] - old_rows
     assert 0 < ref_rows <= old_rows  # gated rows (every row of a micro-batch without gated ones)
-    assert r["gardo/kl_threshold"] == 0.15 and 0 <= r["nft/mean_r"] <= 1
+    assert r["gardo/kl_threshold"] == 0.005 and 0 <= r["nft/mean_r"] <= 1
 
 
 @pytest.mark.heavy
