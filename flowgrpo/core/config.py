@@ -341,6 +341,7 @@ bound_settings(ESTIMATORS, "rover", eps=EPS)
 bound_settings(SURROGATES, "rover", temperature=POSITIVE)
 bound_settings(STEP_WEIGHTINGS, "thr", top_frac=FRACTION)
 bound_settings(PROMPT_SAMPLERS, "knapsack", low=count(1), high=count(1), unknown=PROBABILITY)
+bound_settings(PROMPT_SAMPLERS, "ban_saturated", std_below=NON_NEGATIVE)  # Edit-R1's ban (group_filter.py)
 bound_settings(ESTIMATORS, "egae", gamma=PROBABILITY, lam=PROBABILITY)
 bound_settings(
     ESTIMATORS, "spae", saturation=PROBABILITY, saturation_weight=PROBABILITY, shaping_coef=NON_NEGATIVE,

@@ -17,7 +17,8 @@ priority, cooldown and reuse bound are the abstract's, their defaults here are o
 latest group had reward spread (a non-zero advantage) wait in a buffer, by closeness of their mean reward (a pass
 rate for 0 / 1 rewards) to `target` 0.5; a `fraction` of each batch is re-served from it (fresh rollouts of the
 prompt, not stored trajectories), at most `max_reuse` times per prompt and not before `cooldown` steps after its
-latest rollout.
+latest rollout. Edit-R1's prompt ban (`ban_saturated`: prompts whose latest group was saturated are never drawn
+again) lives in group_filter.py and is registered here.
 """
 
 from __future__ import annotations
@@ -28,14 +29,18 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 from torch import Tensor
 
+from .group_filter import ban_saturated
 from .registry import Registry
 
 PROMPT_SAMPLERS = Registry("prompt sampler")
 
 # seen: groups observed; alpha / beta: the SPO Beta tracker; prior: an offline success rate per prompt (-1: none, as
 # a checkpoint refuses NaN; SPO starts its tracker there); rate / spread / observed_at: the latest group's mean reward, 1 if its rewards varied,
-# its step; replays / replayed_at: Prompt Replay's reuse count and last replay step
-COLUMNS = ("seen", "alpha", "beta", "prior", "rate", "spread", "observed_at", "replays", "replayed_at")
+# its step; replays / replayed_at: Prompt Replay's reuse count and last replay step; std: the latest group's biased
+# reward std (ban_saturated, group_filter.py)
+COLUMNS = ("seen", "alpha", "beta", "prior", "rate", "spread", "observed_at", "replays", "replayed_at", "std")
+# columns added after checkpoints were written: a checkpoint without one resumes with this value (-1: unknown)
+LATER_COLUMNS = {"std": -1.0}
 
 
 class PromptStateError(ValueError):
@@ -65,7 +70,7 @@ class PromptTable:
         return float(self.columns["observed_at"].max()) if self.num_rows else 0.0
 
     def observe(self, prompt_ids: Tensor, rewards: Tensor, usable: Tensor, step: int) -> None:
-        """Record each group's mean usable reward, whether its usable rewards varied, and the step (groups in
+        """Record each group's mean usable reward, their biased std, whether they varied, and the step (groups in
         batch order: a prompt twice in one batch keeps its later group). Groups without a usable reward are
         left out."""
         ids = prompt_ids.tolist()
@@ -78,14 +83,18 @@ class PromptTable:
             self.columns["seen"][row] += 1
             self.columns["rate"][row] = vals.mean()
             self.columns["spread"][row] = float(bool(vals.max() > vals.min()))
+            self.columns["std"][row] = vals.std(correction=0)
             self.columns["observed_at"][row] = float(step)
 
     def state_dict(self) -> dict[str, Tensor]:
         return {k: v.clone() for k, v in self.columns.items()}
 
     def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
-        if set(state) != set(COLUMNS):
+        missing = set(COLUMNS) - set(state)
+        if set(state) - set(COLUMNS) or missing - set(LATER_COLUMNS):
             raise PromptStateError(f"resume: the prompt state has columns {sorted(state)}, expected {sorted(COLUMNS)}")
+        for name in missing:
+            self.columns[name] = torch.full((self.num_rows,), LATER_COLUMNS[name], dtype=torch.float64)
         for name, value in state.items():
             if value.shape != (self.num_rows,):
                 raise PromptStateError(
@@ -165,6 +174,10 @@ def replay(
     state["replays"][chosen] += 1
     state["replayed_at"][chosen] = latest
     return [int(i) for i in chosen]
+
+
+# Edit-R1's prompt ban (group_filter.py: it reads the table's columns by name, so it imports nothing from here)
+PROMPT_SAMPLERS.register("ban_saturated")(ban_saturated)
 
 
 def _table(table: Optional[PromptTable], name: str) -> PromptTable:

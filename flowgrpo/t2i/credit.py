@@ -17,6 +17,7 @@ from torch import Tensor
 
 from ..core import GroupBatch, compute_advantages
 from ..core.advantages import ESTIMATORS, reward_metrics
+from ..core.group_filter import filter_metrics, group_keep
 from ..core.prompt_state import PromptTable
 from .config import T2IConfig
 
@@ -91,6 +92,14 @@ def _final(tree, base: dict, probe_values: Optional[Tensor], preferences, cfg: T
     return adv, result.sample_weight.unsqueeze(-1).expand_as(chain), chain, result.metrics
 
 
+def saturated_group_mask(batch: GroupBatch, cfg: T2IConfig) -> Tensor:
+    """[P] bool: the groups `edges.group_filter` keeps in the loss (all of them when it is off)."""
+    f = cfg.edges.group_filter
+    if f is None:
+        return torch.ones(batch.num_groups, dtype=torch.bool)
+    return group_keep(batch, f.min_std, f.max_mean, [r.weight for r in cfg.rewards])  # float64 weights, as given
+
+
 # What the estimator reads (its registered `reads`) -> how its advantages reach the edges
 CHAIN_CREDIT = {"final": _final, "preferences": _final, "step_rewards": _along_chains, "siblings": _siblings}
 
@@ -153,6 +162,10 @@ def assign_credit(
         keep &= per_sample_steps(tree, cfg.edges.per_sample_fraction, gen, cfg.edges.exclude_last)
     if cfg.edges.drop_zero_advantage and cfg.loss.kl.coef == 0:
         keep &= node_adv != 0
+    if cfg.edges.group_filter is not None:  # Edit-R1's mask: saturated groups' edges leave the loss (group_filter.py)
+        groups = saturated_group_mask(GroupBatch(**base), cfg)
+        keep &= groups[tree.prompt]
+        metrics.update(filter_metrics(groups))
     edges = keep.nonzero().squeeze(1)
     metrics["edges/trained"] = float(edges.numel())
     metrics["edges/available"] = float(tree.edge_trained.sum())

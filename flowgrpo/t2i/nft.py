@@ -12,6 +12,7 @@ weighting; the weight in float64, floored at 1e-5, as NVlabs/DiffusionNFT script
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any, ContextManager, Iterator
 
 import torch
@@ -19,7 +20,9 @@ from torch import Tensor
 
 from ..config import ConfigError
 from ..core import TRANSFORMS, GroupBatch, compute_advantages
+from ..core.group_filter import filter_metrics
 from ..run.update import MiniBatch, MicroLoss, pass_generator, run_update
+from .credit import saturated_group_mask
 from .methods import METHODS, ImageContext, ImageMethod, ScoredRollout
 from .extra_lora import active_lora, add_frozen_lora
 
@@ -108,24 +111,35 @@ class NFTMethod(ImageMethod):
     def optimality(self, rollout: ScoredRollout, record: dict[str, Any]) -> tuple[Tensor, Tensor]:
         """(r, sample weight) of every sample, global order: advantages -> flowgrpo.core's nft_optimality."""
         cfg = self.ctx.cfg
-        L = rollout.tree.leaves.shape[1]
-        values = rollout.leaf_values
-        batch = GroupBatch(
-            rewards=values.view(-1, L, values.shape[-1]),
-            reward_weights=[r.weight for r in cfg.rewards],
-            reward_names=[r.label for r in cfg.rewards],
-            head_nan_policy=cfg.advantage.head_nan_policy,
-        )
+        batch = self._groups(rollout)
+        if rollout.prompt_state is not None:  # the per-prompt state (prompt_state.py): the estimator records each group
+            batch = replace(
+                batch, prompt_ids=rollout.prompt_ids, prompt_state=rollout.prompt_state, step=self.ctx.iteration + 1
+            )
         result = compute_advantages(batch, cfg.advantage)
         record.update(result.metrics)
         result = TRANSFORMS.get("nft_optimality").fn(result, batch, adv_clip_max=cfg.nft.adv_max)
         return result.advantages.reshape(-1).float(), result.sample_weight.reshape(-1).float()
+
+    def _groups(self, rollout: ScoredRollout) -> GroupBatch:
+        """The rollout's rewards as groups [P, L, K], global order."""
+        cfg, values = self.ctx.cfg, rollout.leaf_values
+        return GroupBatch(
+            rewards=values.view(-1, rollout.tree.leaves.shape[1], values.shape[-1]),
+            reward_weights=[r.weight for r in cfg.rewards],
+            reward_names=[r.label for r in cfg.rewards],
+            head_nan_policy=cfg.advantage.head_nan_policy,
+        )
 
     def update(self, rollout: ScoredRollout, record: dict[str, Any]) -> None:
         ctx = self.ctx
         cfg, nft, tree, adapter = ctx.cfg, ctx.cfg.nft, rollout.tree, ctx.adapter
         L = tree.leaves.shape[1]
         opt_r, weight = self.optimality(rollout, record)
+        if cfg.edges.group_filter is not None:  # Edit-R1's mask: a saturated group's samples leave the loss, whose
+            groups = saturated_group_mask(self._groups(rollout), cfg)  # mean then runs over the samples kept
+            weight = weight * groups.repeat_interleave(L).to(weight.dtype)
+            record.update(filter_metrics(groups))
         mine, _ = ctx.dist.localize(torch.arange(opt_r.numel()), cfg.rollout_prompts * L)
         weight, opt_r = weight[mine], opt_r[mine]  # this rank's samples, in local order
         x0 = tree.leaf_latents().flatten(0, 1)

@@ -204,7 +204,7 @@ def test_build_and_policy_only_where_a_part_reads_the_state():
         prompt_policy(None, "replay", {}, 0)
     hook = prompt_policy(PromptTable(3), "spo", {"floor": 0.1}, 5)
     assert hook is not None and hook(2, 0) == spo_priority(PromptTable(3), 2, 0, 5, floor=0.1)
-    assert sorted(PROMPT_SAMPLERS.names()) == ["knapsack", "replay", "spo", "uniform"]
+    assert sorted(PROMPT_SAMPLERS.names()) == ["ban_saturated", "knapsack", "replay", "spo", "uniform"]
 
 
 def test_prompt_order_takes_the_policy_rows_then_fills_from_its_permutation():

@@ -139,6 +139,8 @@ PINS: dict[str, dict[str, Any]] = {
         "model.options.max_sequence_length": 128,
         "sampler.guidance_scale": 2.5,  # into the guidance embedding
         "train.micro_batch_size": 3,
+        "edges.group_filter": None,  # ban_prompt = False: every group trains, every prompt stays
+        "prompt_sampling.name": "uniform",
     },
     "edit_r1_qwen_edit": {  # config/qwen_image_edit_nft.py:qwen_mllm_reward
         **EDIT_R1,
@@ -147,6 +149,13 @@ PINS: dict[str, dict[str, Any]] = {
         "model.dtype": "bfloat16",  # from_pretrained(..., torch_dtype=torch.bfloat16)
         "sampler.guidance_scale": 1.0,  # true_cfg_scale 1.0: no CFG
         "train.micro_batch_size": 3,
+        # ban_prompt = True, ban_std_thres 0.05, ban_mean_thres 0.9 (train_nft_qwen_image_edit.py valid_mask;
+        # PerPromptStatTracker.update's ban)
+        "edges.group_filter.min_std": 0.05,
+        "edges.group_filter.max_mean": 0.9,
+        "prompt_sampling.name": "ban_saturated",
+        "prompt_sampling.std_below": 0.05,
+        "prompt_sampling.mean_above": 0.9,
     },
     "ff_klein_grpo": {  # examples/grpo/lora/flux2_klein/default.yaml
         **FLOW_FACTORY,

@@ -70,8 +70,8 @@ def test_a_run_without_a_stateful_part_keeps_no_prompt_state(recipe_config):
 @pytest.mark.parametrize(
     ("recipe", "overrides", "message"),
     [
-        ("spo", ["method=nft"], "advantage estimator 'spo' reads the per-prompt state, which method grpo feeds"),
-        ("flow_grpo", ["prompt_sampling=replay", "method=nft"], "prompt_sampling 'replay' reads the per-prompt"),
+        ("spo", ["method=awm"], "advantage estimator 'spo' reads the per-prompt state, which method grpo or nft feeds"),
+        ("flow_grpo", ["prompt_sampling=replay", "method=awm"], "prompt_sampling 'replay' reads the per-prompt"),
         ("flow_grpo", ["prompt_sampling=spoo"], "unknown prompt sampler 'spoo'"),
         ("flow_grpo", ["prompt_sampling={name: replay, fraction: 2}"], "prompt_sampling.fraction"),
     ],
