@@ -108,6 +108,8 @@ class GroupBatch:
     prompt_ids:     [P] long, each group's dataset row (stateful parts: the SPO tracker, prompt samplers).
     prompt_state:   the run's per-prompt state (flowgrpo.core.prompt_state.PromptTable), updated in place.
     confidence:     [P, G] sequence log-prob of each sample under the policy minus under the reference (ACE).
+    drift:          [P] each group's prompt's mean |stored - current| token log-prob over its last stored
+                    response, 0 at a prompt's first sight (SPO's KL-adaptive forgetting, rho_type 'kl').
     head_nan_policy: how a NaN head enters the weighted sum (see `scalar_rewards`).
     """
 
@@ -125,6 +127,7 @@ class GroupBatch:
     prompt_ids: Optional[Tensor] = None
     prompt_state: Optional["PromptTable"] = None
     confidence: Optional[Tensor] = None
+    drift: Optional[Tensor] = None
     head_nan_policy: Literal["propagate", "ignore_head"] = "propagate"
 
     def __post_init__(self) -> None:
@@ -174,6 +177,8 @@ class GroupBatch:
             _check_shape(self.prompt_ids, "prompt_ids", [P])
         if self.confidence is not None:
             _check_shape(self.confidence, "confidence", [P, G])
+        if self.drift is not None:
+            _check_shape(self.drift, "drift", [P])
         if self.tree is not None:
             self.tree.validate(P, G)
 

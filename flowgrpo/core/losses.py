@@ -42,6 +42,10 @@ class LossInputs:
     mean_sqdist_ref:  mean over latent dims of (mean_new - mean_ref)^2 (closed-form Gaussian KL).
     std:              transition std of each step (flows).
     dt:               step size sigma_i - sigma_{i+1} of each step (flows).
+    vocab_mean_logp:  mean over the vocabulary of log pi(. | s_t) at each action's state, current / rollout
+    vocab_mean_logp_old: policy (ROVER's next-state term; text policies), no gradient.
+    group_index:      [N] long, rows with the same value are samples of one group (REAL's exact group terms;
+                      a micro-batch must then hold whole groups).
     """
 
     logp: Tensor
@@ -55,6 +59,9 @@ class LossInputs:
     mean_sqdist_ref: Optional[Tensor] = None
     std: Optional[Tensor] = None
     dt: Optional[Tensor] = None
+    vocab_mean_logp: Optional[Tensor] = None
+    vocab_mean_logp_old: Optional[Tensor] = None
+    group_index: Optional[Tensor] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.logp, Tensor) or self.logp.dim() != 2:
@@ -78,10 +85,15 @@ class LossInputs:
                 )
             # weight 0 drops the action entirely: no policy term, no KL, and it is not counted by the normaliser
             self.mask = self.mask & (self.sample_weight != 0).expand(shape)
-        for name in ("logp_old", "logp_ref", "entropy", "mean_sqdist_old", "mean_sqdist_ref", "std", "dt"):
+        per_action = ("logp_old", "logp_ref", "entropy", "mean_sqdist_old", "mean_sqdist_ref", "std", "dt")
+        for name in (*per_action, "vocab_mean_logp", "vocab_mean_logp_old"):
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != shape:
                 raise ValueError(f"{name}: expected shape {list(shape)} (as logp), got {list(t.shape)}")
+        if self.group_index is not None and tuple(self.group_index.shape) != shape[:1]:
+            raise ValueError(
+                f"group_index: expected shape [{shape[0]}] (one per row), got {list(self.group_index.shape)}"
+            )
 
     def split(self, index: Tensor) -> "LossInputs":
         """The rows `index` of every tensor (a micro-batch)."""
@@ -298,6 +310,13 @@ def noise_aware(ctx: LossContext) -> Tensor:
     """TempFlow-GRPO: std_i / mean std over the batch's trained steps (weights average 1)."""
     mean_std = ctx.norm.std_sum / max(ctx.norm.num_tokens, 1.0)
     return ctx.need("std") / mean_std
+
+
+@STEP_WEIGHTINGS.register("std_over_dt", requires=("std", "dt"))
+def std_over_dt(ctx: LossContext) -> Tensor:
+    """Flow-GRPO's Wan 2.1 weight std_dev_t / sqrt(dt) = transition std / dt: yifan123/flow_grpo train_wan2_1.py@32b48fd
+    scales each step's policy loss (not the KL) by std_dev_t.mean() / sqrt(dt).mean() over a batch sharing the step."""
+    return ctx.need("std") / ctx.need("dt")
 
 
 # --- KL to the reference policy ------------------------------------------------------------------

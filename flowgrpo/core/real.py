@@ -9,15 +9,14 @@ with s_i = mean over the tokens of o_i of (log pi - log pi_old), O+ the samples 
 summed over the groups that have both labels, / the number of groups (a group without both contributes 0 but is
 counted). `real_group_loss` is that loss, exactly.
 
-The policy loss here sees rows, not groups (a micro-batch may hold part of a group, in any order), so the
-trainer runs it per sample: the estimator `real` gives each labelled sample A_i = +|O+| (positive) or -|O-|
-(negative) of its group, 0 otherwise, and the surrogate `real` turns a row into log(|A_i| + exp(-sign(A_i) s_i / tau)):
-the group's term of its label with the other samples held at s_j = 0. Its gradient in s_i,
--(1/tau) sign(A_i) / (1 + |A_i| exp(sign(A_i) s_i / tau)), is the group loss's gradient exactly while the group's
-other samples sit at s_j = 0: always with one update per batch (logp_old = the detached logp),
-and for every row of the first update otherwise; in later updates the other samples' drift is left out (their
-terms would need the whole group in one micro-batch; docs/text_trainer.md). With `seq_mean_token_mean` (a row's
-terms are equal over its tokens) the rows' gradients sum to the source's per-question mean's / G, a constant factor.
+The policy loss sees rows: the estimator `real` gives each labelled sample A_i = +|O+| (positive) or -|O-|
+(negative) of its group, 0 otherwise, and the surrogate `real` reads each row's group (`LossInputs.group_index`,
+which the text trainer fills, keeping whole groups in every micro-batch) and computes each group's term L_q from its
+rows' s_i, exactly, also after the policy has moved (several updates per batch). A labelled row that is not in the
+micro-batch (its tokens all masked out, e.g. a truncated completion under `mask_truncated`) counts as a sample at
+the old policy (s = 0, a term e^0 = 1: its label's count |A| says how many there are). L_q is shared equally by
+the group's rows in the micro-batch, so their sum is L_q: with `seq_mean_token_mean` (a row's terms are equal over
+its tokens) the loss is the sum of L_q / the sequence count, the source's per-question mean / G.
 """
 
 from __future__ import annotations
@@ -79,18 +78,30 @@ def real_advantage(
     return _sample_result(adv, ok, batch, **metrics)
 
 
-@SURROGATES.register("real")
+@SURROGATES.register("real", requires=("group_index",))
 def real(ctx: LossContext, *, tau: float = 0.5) -> Tensor:
-    """REAL per sample: log(|A| + exp(-sign(A) s / tau)), s the row's mean log-ratio, A from estimator `real`: the
-    group classification loss with the group's other samples at the old policy. Equal on every token of the row."""
+    """REAL: each group's classification loss log(1 + sum_+ e^(-s/tau)) + log(1 + sum_- e^(s/tau)), s the row's mean
+    log-ratio, A from estimator `real`, shared equally by the group's labelled rows (LossInputs.group_index); a
+    labelled row missing from the micro-batch sits at the old policy. Equal on every token of a row."""
     if tau <= 0:
         raise ValueError(f"real: tau must be > 0, got {tau}")
-    s = _seq_mean(ctx.raw_log_ratio, ctx.inputs.mask)  # [N, 1]
     a = ctx.adv
     if a.shape[1] != 1 and not bool((a == a[:, :1]).all()):
         raise ValueError("real: needs one advantage per sequence (estimator `real`), got per-token advantages")
-    a = a[:, :1]
-    sign, count = torch.sign(a), a.abs()
-    # log(n + e^x) as a stable logaddexp; A = 0 rows (unlabelled) give 0 and no gradient
-    per_row = torch.where(count > 0, torch.logaddexp(count.clamp_min(1).log(), -sign * s / tau), 0 * s)
-    return per_row.expand_as(ctx.raw_log_ratio)
+    a = a[:, 0]
+    mask = ctx.inputs.mask
+    scaled = _seq_mean(ctx.raw_log_ratio, mask)[:, 0] / tau  # [N]
+    inv: Tensor = torch.unique(ctx.need("group_index"), return_inverse=True)[1]  # each row's group, 0..groups-1
+    member = inv.unsqueeze(0) == torch.arange(int(inv.max()) + 1 if inv.numel() else 0, device=inv.device).unsqueeze(1)
+    groups: list[Tensor] = []
+    for side, sign in ((member & (a > 0), -1.0), (member & (a < 0), 1.0)):  # [groups, N] rows of each label
+        # the label's count |A| (the same for every row of it) minus the rows here: samples at the old policy, e^0
+        count = torch.where(side, a.abs(), torch.zeros_like(a)).amax(1)
+        absent = (count - side.sum(1).to(count.dtype)).clamp_min(0)
+        terms = torch.where(side, sign * scaled, torch.full_like(scaled, -torch.inf))
+        groups.append(torch.logsumexp(torch.cat([terms, absent.to(scaled.dtype).log1p().unsqueeze(1)], 1), 1))
+    loss = groups[0] + groups[1]  # [groups]; 0 for a group without labelled rows (log 1 + log 1)
+    carriers = member & (a != 0) & mask.any(1)
+    share = loss / carriers.sum(1).clamp_min(1)
+    per_row = (carriers.to(share.dtype) * share.unsqueeze(1)).sum(0)  # each carrier row: its group's share
+    return per_row.unsqueeze(1).expand_as(ctx.raw_log_ratio)

@@ -12,11 +12,11 @@ Source read: yuxiaooye/ROVER @ ea5ce635ee03621035d6659845a387879cf20878,
   optionally / (unbiased std + 1e-6)); Math/scripts/deepscaler/train/rover_qwen3_8b.sh (A: GRPO's (r - mean) /
   std, rover_t 1, one epoch over 4 mini-batches, rollout temperature 0.6).
 
-What is different here: the text trainer gives the loss each sampled token's log-prob, not the full next-token
-distribution, so the next-state term m_{t+1} - m_{t+1}^old is left out (target = A, the source's
-`target_adv_only` setting). Where the policy that is trained is the one that sampled (one update per batch) it is
-0 in the source too (its current and old passes are the same weights); with several updates per batch the
-surrogate regresses on A alone.
+The next-state term: the loss reads m_t of every action's state under the current and the old policy
+(`LossInputs.vocab_mean_logp` / `vocab_mean_logp_old`; the text trainer computes both with the log-probs, from
+the temperature-scaled logits as the source does) and uses m_{t+1} - m_{t+1}^old of the row's next action (0 at
+its last one). Where the policy that is trained is the one that sampled (one update per batch) the two are the same
+weights and the term is 0, as in the source.
 """
 
 from __future__ import annotations
@@ -44,15 +44,19 @@ def rover_advantage(batch: GroupBatch, *, std_normalize: bool = False, eps: floa
     return _sample_result(adv, ok, batch)
 
 
-@SURROGATES.register("rover")
+@SURROGATES.register("rover", requires=("vocab_mean_logp", "vocab_mean_logp_old"))
 def rover(ctx: LossContext, *, temperature: float = 1.0, clip: bool = False) -> Tensor:
-    """ROVER: (temperature (log pi - log pi_old) - sg(A))^2 per token, the policy's relative log-prob regressed on the
-    centred reward (the next state's mean-Q term is not available here: module doc). clip: Q is held at
+    """ROVER: (temperature (log pi - log pi_old) - sg(target))^2 per token, target = A + temperature (m_{t+1} -
+    m_{t+1}^old), m the vocabulary mean of log pi(. | s) (0 after a row's last action). clip: Q is held at
     log(high) / log(low) of the bounds part (no gradient) where it passes them moving away from the target."""
     if temperature <= 0:
         raise ValueError(f"rover: temperature must be > 0, got {temperature}")
     q = temperature * ctx.raw_log_ratio
-    target = ctx.adv.detach().expand_as(q)
+    mask = ctx.inputs.mask
+    gap = (ctx.need("vocab_mean_logp").float() - ctx.need("vocab_mean_logp_old").float()).detach()
+    gap = torch.where(mask, gap, torch.zeros_like(gap))  # the state after a row's last action is terminal
+    next_q = torch.nn.functional.pad(gap[:, 1:], (0, 1))
+    target = (ctx.adv.detach() + temperature * next_q).expand_as(q)
     if clip:
         hi = torch.log(torch.as_tensor(ctx.high, dtype=q.dtype, device=q.device).clamp_min(1e-12))
         lo = torch.log(torch.as_tensor(ctx.low, dtype=q.dtype, device=q.device).clamp_min(1e-12))

@@ -18,9 +18,9 @@ forgetting factor of the public code (verl-project/verl-recipe spo/spo_ray_train
 |log pi_stored - log pi_current| over the prompt's last stored response (`kl_drift`), and
 rho = clip(2^(-D / d_half), rho_min, rho) with d_half 0.06, rho_min 0.875 (its scripts' SPO_RHO_CLIP_LOWER) and
 the upper clip `rho` 0.96 (`kl_adaptive_rho`); a prompt seen for the first time has D = 0. It reads the drift per
-group from `GroupBatch.drift` [P], which the trainer must fill (it stores each prompt's last response with its
-log-probs and re-scores it under the current policy); the source computes D after the step's update, a trainer
-here would compute it before (one update earlier, ◐). With G > 1 samples of a prompt in one step (the paper:
+group from `GroupBatch.drift` [P], which the text trainer fills (flowgrpo/text/drift.py: it stores each prompt's
+last response with its log-probs and re-scores it under the current policy before the advantages); the source
+computes D after the step's update, the trainer before it (one update earlier, ◐). With G > 1 samples of a prompt in one step (the paper:
 G = 1) the tracker takes them as G observations with one forgetting step. Prioritised sampling: prompt sampler
 `spo` (prompt_state.py).
 
@@ -125,11 +125,12 @@ def _forgetting(batch: GroupBatch, rho: float, rho_type: str, d_half: float, rho
         return torch.full((P,), float(rho), dtype=torch.float64)
     if rho_type != "kl":
         raise ValueError(f"spo: rho_type must be 'constant' or 'kl', got {rho_type!r}")
-    drift = getattr(batch, "drift", None)  # the trainer's per-group D (GroupBatch.drift)
+    drift = batch.drift  # the trainer's per-group D
     if drift is None:
         raise ValueError(
             "spo: rho_type 'kl' needs GroupBatch.drift [P] (each prompt's mean |stored - current| token log-prob "
-            "over its last response, 0 at first sight); this trainer does not record it: use rho_type 'constant'"
+            "over its last response, 0 at first sight), which the text trainer records; elsewhere use rho_type "
+            "'constant'"
         )
     drift = torch.as_tensor(drift, dtype=torch.float64).reshape(-1)
     if drift.shape != (P,) or bool((drift < 0).any()) or not bool(torch.isfinite(drift).all()):

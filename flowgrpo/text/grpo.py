@@ -14,6 +14,11 @@ Every forward over completions runs each distinct prompt of its micro-batch once
 key/value cache for the completions that share it (`train.shared_prompt`; on the first batch the method checks
 that this gives the plain forward's log-probs before using it), except with `train.gradient_checkpointing`,
 where each decoder layer recomputes its activations in backward instead.
+
+Inputs some loss parts read besides the log-probs: each row's group (`group_index`; REAL, whose micro-batches then
+hold whole groups), the vocabulary mean of the log-softmax under the current and the old policy (ROVER's next-state
+term), and, before the advantages, each prompt's drift since its last stored completion (SPO `rho_type: kl`,
+flowgrpo/text/drift.py). Padding rows of ragged groups (`Rollout.valid` False) go through no forward.
 """
 
 from __future__ import annotations
@@ -29,11 +34,14 @@ import torch
 from ..core import LossInputs, LossNormalizer, compute_advantages, policy_loss
 from ..core.conditional import reads_entropy
 from ..core.contracts import given
+from ..core.losses import BOUNDS, RATIOS, STEP_WEIGHTINGS, SURROGATES
+from ..core.regularizers import REGULARIZERS
 from ..run.clock import seconds_since
 from ..run.ratio_check import FirstPassCheck
 from ..run.method import Method
 from ..run.update import MiniBatch, MicroLoss, pass_order, run_update
 from .collect import ScoredBatch, group_batch
+from .drift import CompletionMemory
 from .generation import Rollout
 from .logprobs import TokenLogprobs, micro_logprobs, sampler_deviation, shared_prompt_deviation
 from .methods import METHODS, TextContext
@@ -57,6 +65,7 @@ class PreparedBatch:
     full: LossInputs  # [N, Tc]; logp is filled per micro-batch
     have_old: bool  # logp_old is the old pass (else the detached current log-probs)
     entropy: Optional[torch.Tensor]  # [N, Tc] from the old pass, when there was one
+    vocab_mean_old: Optional[torch.Tensor]  # [N, Tc] ROVER's m_t from the old pass, when read and there was one
     plan: list[list[tuple[torch.Tensor, list[torch.Tensor]]]]  # per pass: (mini-batch rows, its micro-batches)
     checked_at: torch.Tensor  # [N] row -> its index in check_logp (-1: not re-scored)
     check_logp: Optional[torch.Tensor]
@@ -78,6 +87,11 @@ class TextGRPOMethod(Method):
         configured = None if cfg.train.shared_prompt == "auto" else cfg.train.shared_prompt
         off = cfg.train.gradient_checkpointing or ctx.dist.gathers_weights
         self.shared_prompt: Optional[bool] = False if off else configured
+        self.whole_groups = loss_reads(cfg.loss, "group_index")  # REAL: every micro-batch holds whole groups
+        self.vocab_mean = loss_reads(cfg.loss, "vocab_mean_logp")  # ROVER's next-state term
+        spo_kl = cfg.advantage.estimator.name == "spo" and cfg.advantage.estimator.settings.get("rho_type") == "kl"
+        self.memory = CompletionMemory() if spo_kl else None
+        self.memory_fresh = True  # not yet used or restored: a resumed run that did not restore it says so
 
     @staticmethod
     def needs_reference(cfg: Any) -> bool:
@@ -105,10 +119,18 @@ class TextGRPOMethod(Method):
         if ctx.prompt_state is not None:  # the stateful parts: each group's dataset row and the run's prompt table
             ids = rollout.prompt_index.view(groups.num_groups, groups.group_size)[:, 0]
             groups = replace(groups, prompt_ids=ids, prompt_state=ctx.prompt_state)
+        if self.memory is not None:  # SPO rho_type kl: each prompt's drift since its stored completion
+            if self.memory_fresh and ctx.iteration > 0:
+                log.warning(
+                    "SPO rho_type kl: resumed without its stored completions (D = 0 at each prompt's next sight)"
+                )
+            self.memory_fresh = False
+            drift = self.memory.drift(rollout, lambda r: self._all_logprobs(ctx.model, r, False, counts).logp)
+            groups = replace(groups, drift=drift)
         old = logp_ref = None
         if reads_entropy(cfg.advantage.estimator.name, cfg.advantage.estimator.settings):
             # CANON splits groups by mean token entropy: score the rollout first (the old pass, reused below)
-            old = self._all_logprobs(ctx.model, rollout, shared, counts, with_entropy=True)
+            old = self._all_logprobs(ctx.model, rollout, shared, counts, with_entropy=True, vocab_mean=self.vocab_mean)
             ent, cm = given(old.entropy, "entropy"), rollout.completion_mask
             per_sample = (ent * cm).sum(1) / cm.sum(1).clamp_min(1)
             groups = replace(groups, entropy=per_sample.view(groups.num_groups, groups.group_size))
@@ -116,7 +138,7 @@ class TextGRPOMethod(Method):
             # ACE: each completion's sequence log-prob under the policy minus under the reference, before the
             # advantages (both passes are reused below)
             if old is None:
-                old = self._all_logprobs(ctx.model, rollout, shared, counts, with_entropy=True)
+                old = self._all_logprobs(ctx.model, rollout, shared, counts, True, self.vocab_mean)
             logp_ref = self._reference_logprobs(rollout, shared, counts)
             cm = rollout.completion_mask
             conf = ((old.logp - logp_ref) * cm).sum(1)
@@ -136,14 +158,14 @@ class TextGRPOMethod(Method):
         advantages = adv.advantages.reshape(N)
         sample_weight = adv.sample_weight.reshape(N, 1).expand(mask.shape).clone()
         # the order of every pass, fixed up front: the on-policy check needs the first rows trained on
-        orders = [pass_order(N, cfg.seed, ctx.iteration, it, cfg.train.shuffle) for it in range(cfg.train.inner_epochs)]
+        minis = [self._mini_batches(N, rollout.group_size, it) for it in range(cfg.train.inner_epochs)]
 
         logp_old = entropy = check_logp = None
         check = cfg.ratio_check.enabled
         corrected = rollout.rollout_logp is not None
         if old is not None or self._needs_old_logp() or corrected or (check and cfg.ratio_check.rows is None):
             if old is None:
-                old = self._all_logprobs(ctx.model, rollout, shared, counts, with_entropy=True)
+                old = self._all_logprobs(ctx.model, rollout, shared, counts, True, self.vocab_mean)
             logp_old, entropy = old.logp, old.entropy
         if self.use_kl and logp_ref is None:
             logp_ref = self._reference_logprobs(rollout, shared, counts)
@@ -156,10 +178,8 @@ class TextGRPOMethod(Method):
         live = (mask & (sample_weight > 0)).any(1)
         if self._skip_zero_advantage():
             live &= advantages != 0
-        plan = [
-            [(mini, self._micro_batches(mini, live)) for mini in order.chunk(cfg.train.mini_batches)]
-            for order in orders
-        ]
+        G = rollout.group_size
+        plan = [[(mini, self._micro_batches(mini, live, G)) for mini in chunks] for chunks in minis]
         checked_at = torch.full((N,), -1, dtype=torch.long)  # row -> its index in check_rows
         if logp_old is None and check:
             # one update per batch: the loss takes the detached current log-probs as the old ones (as TRL
@@ -183,10 +203,25 @@ class TextGRPOMethod(Method):
             mask=mask.to(dev),
             sample_weight=sample_weight.to(dev),
             logp_ref=None if logp_ref is None or not self.use_kl else logp_ref.to(dev),
+            group_index=(torch.arange(N) // rollout.group_size).to(dev) if self.whole_groups else None,
         )
         if entropy is not None:
             record["entropy/mean"] = float(entropy[mask].mean()) if bool(mask.any()) else math.nan
-        return PreparedBatch(rollout, full, logp_old is not None, entropy, plan, checked_at, check_logp)
+        vocab_mean_old = None if old is None or old.vocab_mean is None else old.vocab_mean.to(dev)
+        return PreparedBatch(rollout, full, logp_old is not None, entropy, vocab_mean_old, plan, checked_at, check_logp)
+
+    def checkpoint_parts(self, parts: Any) -> None:
+        if self.memory is not None:  # SPO rho_type kl: the stored completions, exact (tensors)
+            parts.tensors["spo_completions"] = self.memory.state_dict()
+
+    def restore(self, ckpt: Any) -> None:
+        if self.memory is not None:
+            if "spo_completions" not in ckpt.tensors:
+                raise ValueError(
+                    "resume: the checkpoint has no SPO completion memory (it was written without rho_type kl)"
+                )
+            self.memory.load_state_dict(ckpt.tensors["spo_completions"])
+            self.memory_fresh = False
 
     def _update(self, batch: PreparedBatch, record: dict[str, Any], counts: dict[str, int]) -> None:
         """The shared update loop over the prepared plan; micro-batch k of a mini-batch runs on rank
@@ -217,6 +252,7 @@ class TextGRPOMethod(Method):
                 with_entropy=bool(cfg.loss.entropy_coef) or ent_metric,
                 entropy_grad=bool(cfg.loss.entropy_coef),
                 shared_prompt=shared,
+                with_vocab_mean=self.vocab_mean,
             )
             logp, ent = scored.logp, scored.entropy
             counts["nfe_grad"] += micro.numel()
@@ -229,6 +265,10 @@ class TextGRPOMethod(Method):
             if on_policy and cfg.ratio_check.enabled:
                 dev = self._first_pass_deviation(logp.detach(), old, m, micro, batch)
             inputs = replace(full.split(micro), logp=logp, logp_old=old, entropy=ent if cfg.loss.entropy_coef else None)
+            if self.vocab_mean:  # one update per batch: the old pass is these weights, the next-state term 0
+                now = given(scored.vocab_mean, "vocab_mean")
+                was = batch.vocab_mean_old[micro] if batch.have_old and batch.vocab_mean_old is not None else now
+                inputs = replace(inputs, vocab_mean_logp=now, vocab_mean_logp_old=was)
             out = policy_loss(inputs, cfg.loss, norm)
             return MicroLoss(out.loss, out.metrics, int(m.sum()), dev)
 
@@ -257,11 +297,12 @@ class TextGRPOMethod(Method):
         scored = micro_logprobs(
             self.ctx.model, batch.rollout, PAD_ROWS, cfg.generation.temperature,
             with_entropy=bool(cfg.loss.entropy_coef), entropy_grad=bool(cfg.loss.entropy_coef),
-            shared_prompt=bool(self.shared_prompt),
+            shared_prompt=bool(self.shared_prompt), with_vocab_mean=self.vocab_mean,
         )  # fmt: skip
         inputs = replace(
             batch.full.split(PAD_ROWS), logp=scored.logp, logp_old=scored.logp.detach(),
             entropy=scored.entropy if cfg.loss.entropy_coef else None,
+            vocab_mean_logp=scored.vocab_mean, vocab_mean_logp_old=scored.vocab_mean,
         )  # fmt: skip
         return policy_loss(inputs, cfg.loss, norm).loss
 
@@ -315,33 +356,79 @@ class TextGRPOMethod(Method):
             and self.ctx.cfg.loss.aggregation.name != "local_token_mean"
         )
 
-    def _micro_batches(self, mini: torch.Tensor, live: torch.Tensor) -> list[torch.Tensor]:
-        rows = mini[live[mini]]
-        return list(rows.split(self.ctx.cfg.train.micro_batch_size)) if rows.numel() else []
+    def _mini_batches(self, N: int, G: int, epoch: int) -> list[torch.Tensor]:
+        """The rows of each mini-batch of pass `epoch`, in training order (seeded); whole groups when the loss reads
+        them (the groups' order is then the seeded one, each group's rows in order)."""
+        cfg, it = self.ctx.cfg, self.ctx.iteration
+        if not self.whole_groups:
+            return list(pass_order(N, cfg.seed, it, epoch, cfg.train.shuffle).chunk(cfg.train.mini_batches))
+        order = pass_order(N // G, cfg.seed, it, epoch, cfg.train.shuffle)
+        return [(g.unsqueeze(1) * G + torch.arange(G)).reshape(-1) for g in order.chunk(cfg.train.mini_batches)]
+
+    def _micro_batches(self, mini: torch.Tensor, live: torch.Tensor, G: int) -> list[torch.Tensor]:
+        """The live rows of a mini-batch in micro-batches of `micro_batch_size` rows; whole groups when the loss
+        reads them (as many whole groups as fit, at least one)."""
+        rows, size = mini[live[mini]], self.ctx.cfg.train.micro_batch_size
+        if not rows.numel():
+            return []
+        if not self.whole_groups:
+            return list(rows.split(size))
+        _, counts = torch.unique_consecutive(rows // G, return_counts=True)
+        micros: list[list[torch.Tensor]] = [[]]
+        for group in rows.split(counts.tolist()):
+            if micros[-1] and sum(g.numel() for g in micros[-1]) + group.numel() > size:
+                micros.append([])
+            micros[-1].append(group)
+        return [torch.cat(m) for m in micros]
 
     def _all_logprobs(
-        self, model: Any, rollout: Rollout, shared: bool, counts: dict[str, int], with_entropy: bool = False
+        self,
+        model: Any,
+        rollout: Rollout,
+        shared: bool,
+        counts: dict[str, int],
+        with_entropy: bool = False,
+        vocab_mean: bool = False,
     ) -> TokenLogprobs:
-        """No-grad log-probs (and entropies) [N, Tc] of the whole rollout on CPU: row block b of
-        `logprob_batch_size` sequences on rank b % world_size, gathered on every rank."""
+        """No-grad log-probs (and entropies, ROVER's vocabulary means) [N, Tc] of the whole rollout on CPU: row
+        block b of `logprob_batch_size` real sequences on rank b % world_size, gathered on every rank; the padding
+        rows of ragged groups (`valid` False) are not run and read 0."""
         size = self.ctx.cfg.train.logprob_batch_size or self.ctx.cfg.train.micro_batch_size
-        N = rollout.num_sequences
-        blocks = [torch.arange(s, min(s + size, N)) for s in range(0, N, size)]
-        local = []
+        N, Tc = rollout.num_sequences, rollout.completion_ids.shape[1]
+        real = torch.arange(N) if rollout.valid is None else rollout.valid.nonzero()[:, 0]
+        blocks = list(real.split(size))
+        local: list[tuple[int, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]] = []
         mine = self.ctx.dist.my_chunks(len(blocks))
+        temperature = self.ctx.cfg.generation.temperature
         with torch.no_grad():
             for b in mine:
                 scored = micro_logprobs(
-                    model, rollout, blocks[b], self.ctx.cfg.generation.temperature, with_entropy, shared_prompt=shared
+                    model,
+                    rollout,
+                    blocks[b],
+                    temperature,
+                    with_entropy,
+                    shared_prompt=shared,
+                    with_vocab_mean=vocab_mean,
                 )
-                ent = scored.entropy
-                local.append((b, scored.logp.cpu(), None if ent is None else ent.cpu()))
+                ent, vm = scored.entropy, scored.vocab_mean
+                local.append(
+                    (b, scored.logp.cpu(), None if ent is None else ent.cpu(), None if vm is None else vm.cpu())
+                )
             for _ in range(self.ctx.dist.passes_to_pad(len(mine))):  # sharded: forward together
-                micro_logprobs(model, rollout, PAD_ROWS, self.ctx.cfg.generation.temperature, shared_prompt=shared)
-        counts["nfe_nograd"] += sum(lp.shape[0] for _, lp, _ in local)
+                micro_logprobs(model, rollout, PAD_ROWS, temperature, shared_prompt=shared)
+        counts["nfe_nograd"] += sum(item[1].shape[0] for item in local)
         parts = sorted(self.ctx.dist.gather_objects(local), key=lambda item: item[0])
-        logp = torch.cat([lp for _, lp, _ in parts])
-        return TokenLogprobs(logp, torch.cat([e for _, _, e in parts]) if with_entropy else None)
+
+        def full(k: int) -> Optional[torch.Tensor]:
+            if not parts or parts[0][k] is None:
+                return None
+            out = torch.zeros(N, Tc, dtype=parts[0][k].dtype)
+            out[real] = torch.cat([item[k] for item in parts])
+            return out
+
+        logp = full(1)
+        return TokenLogprobs(torch.zeros(N, Tc) if logp is None else logp, full(2), full(3))
 
     @staticmethod
     def _first_pass_deviation(
@@ -371,11 +458,22 @@ def reads_confidence(cfg: Any) -> bool:
 
 
 def _completion_metrics(rollout: Rollout) -> dict[str, float]:
-    lengths = rollout.lengths.float()
-    done = ~rollout.truncated
+    """Lengths of the real completions (a ragged group's padding rows are none)."""
+    real = torch.ones(rollout.num_sequences, dtype=torch.bool) if rollout.valid is None else rollout.valid
+    lengths = rollout.lengths[real].float()
+    done = ~rollout.truncated[real]
     return {
         "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
         "completions/max_length": float(lengths.max()),
-        "completions/clipped_ratio": float(rollout.truncated.float().mean()),
+        "completions/clipped_ratio": float((~done).float().mean()),
         "completions/mean_terminated_length": float(lengths[done].mean()) if bool(done.any()) else math.nan,
     }  # fmt: skip
+
+
+def loss_reads(loss: Any, name: str) -> bool:
+    """Whether a part of the configured loss reads the optional LossInputs field `name` (its `requires`)."""
+    entries = [
+        RATIOS.get(loss.ratio.name), BOUNDS.get(loss.bounds.name), SURROGATES.get(loss.surrogate.name),
+        STEP_WEIGHTINGS.get(loss.step_weighting.name), REGULARIZERS.get(loss.regularizer.name),
+    ]  # fmt: skip
+    return any(name in e.requires for e in entries)

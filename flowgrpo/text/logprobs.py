@@ -32,6 +32,7 @@ class TokenLogprobs:
 
     logp: Tensor  # [n, Tc] log-probs of the completion tokens; zero past each row's width
     entropy: Optional[Tensor] = None  # [n, Tc] entropies (same padding), None when not computed
+    vocab_mean: Optional[Tensor] = None  # [n, Tc] mean over the vocabulary of the log-softmax (ROVER), no grad
 
 
 def _trimmed_inputs(rollout: Rollout, rows: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
@@ -92,12 +93,14 @@ def micro_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = True,
     shared_prompt: bool = False,
+    with_vocab_mean: bool = False,
 ) -> TokenLogprobs:
     """Log-probs [n, Tc] (and entropies) of the completion tokens of `rows`; zero beyond each micro-batch's width.
 
     Runs with or without grad as the caller's context says; `entropy_grad=False` computes the entropy
     (a metric then) without building its graph. `shared_prompt`: run each distinct prompt once (used
-    only when some rows share a prompt).
+    only when some rows share a prompt). `with_vocab_mean`: also the mean over the vocabulary of the
+    log-softmax at each position, mean logit - logsumexp (ROVER's next-state term; never with grad).
     """
     device = next(model.parameters()).device
     prompts, where = None, None
@@ -129,12 +132,18 @@ def micro_logprobs(
         with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
             lg = logits if entropy_grad else logits.detach()
             entropy = (lse if entropy_grad else lse.detach()) - (torch.softmax(lg, -1) * lg).sum(-1)
+    vocab_mean = None
+    if with_vocab_mean:
+        with torch.no_grad():  # a reduction of the logits already there: no [n, width, V] tensor more
+            vocab_mean = logits.mean(-1) - lse
     Tc = rollout.completion_ids.shape[1]
     pad = (0, Tc - width)
     logp = torch.nn.functional.pad(logp, pad)
     if entropy is not None:
         entropy = torch.nn.functional.pad(entropy, pad)
-    return TokenLogprobs(logp, entropy)
+    if vocab_mean is not None:
+        vocab_mean = torch.nn.functional.pad(vocab_mean, pad)
+    return TokenLogprobs(logp, entropy, vocab_mean)
 
 
 @torch.no_grad()

@@ -168,6 +168,7 @@ class TextGRPOTrainer(RunLoop):
                                 state={"sampler": self.sampler.state_dict()})  # fmt: skip
         if self.prompt_state is not None:  # float64 tensors: restored exactly
             parts.tensors["prompt_state"] = self.prompt_state.state_dict()
+        self.method.checkpoint_parts(parts)  # the method's own state (SPO kl's stored completions)
         return parts
 
     def restore(self, ckpt: Checkpoint) -> None:
@@ -179,6 +180,7 @@ class TextGRPOTrainer(RunLoop):
                     "resume: the checkpoint has no prompt state (it was written without a part that reads one)"
                 )
             self.prompt_state.load_state_dict(ckpt.tensors["prompt_state"])
+        self.method.restore(ckpt)
         self.generator.sync_weights()
 
     def save_final_model(self) -> None:

@@ -124,7 +124,8 @@ def test_every_part_is_in_the_reference():
     assert BOUNDS.names() == sorted({b for b, _ in BOUND_SPECS} | {"etr"})  # etr: test_core_etr.py
     # rec: test_core_offpolicy.py; flow_dppo: tests/t2i/test_method_dppo.py; real, rover: test_core_{real,rover}.py
     assert SURROGATES.names() == sorted({s for s, _ in SURROGATE_SPECS} | {"rec", "flow_dppo", "real", "rover"})
-    assert STEP_WEIGHTINGS.names() == sorted([*WEIGHTINGS, "thr"])  # thr: test_core_thr.py
+    # thr: test_core_thr.py; std_over_dt: tests/fidelity/test_wan_kernel.py
+    assert STEP_WEIGHTINGS.names() == sorted([*WEIGHTINGS, "thr", "std_over_dt"])
     assert KL_ESTIMATORS.names() == sorted({k for k, _ in KL_SPECS})
     assert AGGREGATIONS.names() == sorted(AGGS)
 

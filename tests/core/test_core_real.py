@@ -10,7 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from flowgrpo.core import AdvantageConfig, GroupBatch, LossConfig, LossInputs, compute_advantages, policy_loss
+from flowgrpo.core import (
+    AdvantageConfig,
+    GroupBatch,
+    LossConfig,
+    LossInputs,
+    LossNormalizer,
+    compute_advantages,
+    policy_loss,
+)
 from flowgrpo.core.real import real_group_loss
 
 P, G, T = 3, 4, 5
@@ -65,15 +73,24 @@ def test_estimator_labels_and_counts():
         compute_advantages(GroupBatch(rewards=graded), AdvantageConfig(estimator={"name": "real", "labels": "sign"}))
 
 
-def _our_grad(logp, old, mask, tau):
+def _ours(logp, old, mask, tau, rows=None):
+    """Our loss and its gradient in logp (float64 inputs) over `rows` (default all, in order), each row's group id."""
     adv = compute_advantages(
         GroupBatch(rewards=torch.tensor(REWARDS, dtype=torch.float32)), AdvantageConfig(estimator={"name": "real"})
     )
+    rows = torch.arange(P * G) if rows is None else torch.as_tensor(rows)
     lp = torch.tensor(logp, dtype=torch.float64, requires_grad=True)
-    inp = LossInputs(lp, torch.tensor(old), adv.advantages.reshape(-1).double(), torch.tensor(mask))
+    full = LossInputs(
+        lp,
+        torch.tensor(old),
+        adv.advantages.reshape(-1).double(),
+        torch.tensor(mask),
+        group_index=torch.arange(P * G) // G,
+    )
     cfg = LossConfig(surrogate={"name": "real", "tau": tau}, aggregation="seq_mean_token_mean")
-    policy_loss(inp, cfg).loss.backward()
-    return lp.grad.numpy()
+    out = policy_loss(full.split(rows), cfg, LossNormalizer.from_inputs(full))
+    out.loss.backward()
+    return float(out.loss.detach()), lp.grad.numpy()
 
 
 def _source_grad(logp, old, mask, tau, h=1e-6):
@@ -93,15 +110,37 @@ def _source_grad(logp, old, mask, tau, h=1e-6):
 
 
 @pytest.mark.parametrize("tau", [0.5, 2.0])
-def test_gradient_is_the_sources_over_g_at_the_rollout_policy(tau):
-    """One update per batch (logp_old = logp): the per-row surrogate's gradient is the source's group loss's / G;
-    and where only one row has moved it is still exact for that row (the others sit at the old policy)."""
+def test_loss_and_gradient_are_the_sources_over_g_after_the_policy_moved(tau):
+    """With each row's group id the loss is the source's group loss / G (seq_mean_token_mean over P G rows) and so
+    is its gradient: at the rollout policy and after every row has moved (several updates per batch), in any row
+    order and in micro-batches of whole groups."""
     _, old, mask = fixed()
-    np.testing.assert_allclose(
-        _our_grad(old, old, mask, tau), _source_grad(old, old, mask, tau) / G, rtol=1e-5, atol=1e-9
-    )
-    moved = old.copy()
-    moved[2] += 0.4  # row 2 (group 0, positive) only
-    ours, src = _our_grad(moved, old, mask, tau), _source_grad(moved, old, mask, tau) / G
-    np.testing.assert_allclose(ours[2], src[2], rtol=1e-5, atol=1e-9)
-    assert not np.allclose(ours[0], src[0], rtol=1e-3)  # row 0 shares the group: its drift term is left out
+    loss, grad = _ours(old, old, mask, tau)
+    assert loss == pytest.approx(source_real(old, old, mask, REWARDS, tau) / G, rel=1e-6)
+    np.testing.assert_allclose(grad, _source_grad(old, old, mask, tau) / G, rtol=1e-5, atol=1e-9)
+    moved = old + np.random.default_rng(5).normal(0, 0.4, size=old.shape)
+    loss, grad = _ours(moved, old, mask, tau)
+    assert loss == pytest.approx(source_real(moved, old, mask, REWARDS, tau) / G, rel=1e-6)
+    np.testing.assert_allclose(grad, _source_grad(moved, old, mask, tau) / G, rtol=1e-5, atol=1e-9)
+    shuffled = [6, 4, 7, 5, 1, 3, 0, 2]  # groups 1 and 0, rows in any order
+    parts = [_ours(moved, old, mask, tau, rows) for rows in (shuffled, list(range(8, 12)))]
+    assert sum(p[0] for p in parts) == pytest.approx(loss, rel=1e-6)
+    np.testing.assert_allclose(sum(p[1] for p in parts), grad, rtol=1e-6, atol=1e-12)
+
+
+def test_a_labelled_row_left_out_counts_at_the_old_policy():
+    """A micro-batch without some labelled rows of a group (their tokens all masked out): they are samples at the
+    old policy (s = 0), as their label's count says; the group id is required."""
+    _, old, mask = fixed()
+    moved = old + np.random.default_rng(6).normal(0, 0.4, size=old.shape)
+    at_old = moved.copy()
+    at_old[[0, 5]] = old[[0, 5]]  # row 0 (group 0, positive) and row 5 (group 1, negative) at the old policy
+    loss, _ = _ours(moved, old, mask, 0.5, [1, 2, 3, 4, 6, 7])
+    assert loss == pytest.approx(source_real(at_old, old, mask, REWARDS[:2], 0.5) * 2 / (P * G), rel=1e-6)
+    with pytest.raises(ValueError, match="surrogate 'real' needs LossInputs.group_index"):
+        policy_loss(LossInputs(torch.tensor(old), torch.tensor(old), torch.ones(P * G), torch.tensor(mask)),
+                    LossConfig(surrogate="real"))  # fmt: skip
+    with pytest.raises(ValueError, match=r"group_index: expected shape \[12\]"):
+        LossInputs(
+            torch.tensor(old), torch.tensor(old), torch.ones(P * G), torch.tensor(mask), group_index=torch.zeros(3)
+        )

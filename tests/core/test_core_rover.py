@@ -48,11 +48,16 @@ def source_rover(logp, old, adv, mask, next_mean=None, next_mean_old=None, *, ro
     return total / count
 
 
-def ours(logp, old, adv, mask, **surrogate):
+def ours(logp, old, adv, mask, next_mean=None, next_mean_old=None, **surrogate):
+    """Our loss; next_mean / next_mean_old None: the same m under both policies (one update per batch: term 0)."""
     lp = torch.tensor(logp, requires_grad=True)
     bounds = {"name": "symmetric", "eps": surrogate.pop("eps", 0.2)}
     cfg = LossConfig(surrogate={"name": "rover", **surrogate}, bounds=bounds, aggregation="token_mean")
-    out = policy_loss(LossInputs(lp, torch.tensor(old), torch.tensor(adv), torch.tensor(mask)), cfg)
+    m = np.random.default_rng(1).normal(size=logp.shape) if next_mean is None else next_mean
+    m_old = m if next_mean_old is None else next_mean_old
+    inputs = LossInputs(lp, torch.tensor(old), torch.tensor(adv), torch.tensor(mask))
+    inputs.vocab_mean_logp, inputs.vocab_mean_logp_old = torch.tensor(m), torch.tensor(m_old)
+    out = policy_loss(inputs, cfg)
     return out.loss.detach(), lp, out.loss
 
 
@@ -64,6 +69,29 @@ def test_loss_matches_the_source_with_target_adv_only(rover_t):
     # the source's next-state term is 0 when the current and old passes are the same weights (one update per batch)
     m = np.random.default_rng(0).normal(size=logp.shape)
     assert source_rover(logp, old, adv, mask, m, m, rover_t=rover_t) == pytest.approx(float(got), rel=1e-6)
+
+
+@pytest.mark.parametrize("rover_t", [1.0, 0.5])
+def test_next_state_term_matches_the_source(rover_t):
+    """Several updates per batch: the current and old passes differ, target = A + rover_t (m_{t+1} - m_old_{t+1})
+    (0 after a row's last token); its value is in the loss, never in the gradient."""
+    logp, old, adv, mask = fixed(spread=0.5)
+    rng = np.random.default_rng(11)
+    m_old = -np.log(50.0) + rng.normal(0, 0.3, size=logp.shape)
+    m = m_old + rng.normal(0, 0.2, size=logp.shape)
+    got, lp, loss = ours(logp, old, adv, mask, m, m_old, temperature=rover_t)
+    want = source_rover(logp, old, adv, mask, m, m_old, rover_t=rover_t)
+    assert float(got) == pytest.approx(want, rel=1e-6)
+    assert want != pytest.approx(source_rover(logp, old, adv, mask, rover_t=rover_t), rel=1e-3)  # the term acted
+    loss.backward()
+    target = adv.copy()
+    target[:, :-1] += rover_t * (m[:, 1:] - m_old[:, 1:]) * mask[:, 1:]
+    want_grad = np.where(mask, 2 * rover_t * (rover_t * (logp - old) - target) / mask.sum(), 0.0)
+    np.testing.assert_allclose(lp.grad.numpy(), want_grad, rtol=1e-5, atol=1e-9)
+    with pytest.raises(ValueError, match="needs LossInputs.vocab_mean_logp"):
+        policy_loss(
+            LossInputs(lp, torch.tensor(old), torch.tensor(adv), torch.tensor(mask)), LossConfig(surrogate="rover")
+        )
 
 
 def test_clip_matches_the_source():

@@ -2,6 +2,7 @@
 prompt table's budgets, padding rows that never count, a stop / resume that is bit-identical (also into two
 processes: every rank computes the budgets from the same table), and the combinations it refuses."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -29,8 +30,10 @@ def test_ragged_groups_train_and_resume_bit_identically(tiny_config):
     ref_cfg = tiny_config(*COMMON, name="uninterrupted")
     full = train_text(ref_cfg)
     assert [(r["knapsack/budget_min"], r["knapsack/budget_max"]) for r in full][:2] == [(8, 8), (2, 14)]
-    for r in full:  # padding rows: no tokens, no advantage, not an unscored sample
+    for r in full:  # padding rows: no tokens, no advantage, not an unscored sample, not a completion
         assert r["adv/num_live"] == 16 and r["tokens/generated"] <= 16 * 16 and r["rewards/nan_count"] == 0
+        assert r["completions/mean_length"] == pytest.approx(r["tokens/generated"] / 16)
+        assert r["completions/min_length"] >= 1
     first = train_text(tiny_config(*COMMON, "stop_after=2", name="interrupted"))
     torch.manual_seed(4321)
     resumed = TextGRPOTrainer(tiny_config(*COMMON, "resume=true", name="interrupted"))
@@ -41,6 +44,32 @@ def test_ragged_groups_train_and_resume_bit_identically(tiny_config):
         ref, out = _tensors(Path(ref_cfg.output_dir), part), _tensors(resumed.out, part)
         for k in ref:
             torch.testing.assert_close(out[k], ref[k], rtol=0, atol=0, equal_nan=True, msg=k)
+
+
+def test_padding_rows_go_through_no_forward(tiny_config):
+    """The no-grad passes (old, reference, drift) run only the real rows; a padding row reads 0."""
+    from flowgrpo.text.generation import Rollout
+
+    trainer = TextGRPOTrainer(tiny_config(*COMMON))
+    prompt, pmask = torch.tensor([[5, 6, 7]]).repeat(4, 1), torch.ones(4, 3, dtype=torch.long)
+    completion = torch.tensor([[10, 11, 12], [13, 14, 0], [0, 0, 0], [0, 0, 0]])
+    cmask = completion > 0
+    valid = torch.tensor([True, True, False, False])
+    rollout = Rollout(
+        prompt,
+        pmask,
+        completion,
+        cmask,
+        torch.zeros(4, dtype=torch.bool),
+        torch.zeros(4, dtype=torch.long),
+        4,
+        valid=valid,
+    )
+    counts = {"nfe_nograd": 0}
+    got = trainer.method._all_logprobs(trainer.model, rollout, False, counts, with_entropy=True)
+    assert counts["nfe_nograd"] == 2 and got.logp[2:].abs().sum() == 0 and got.entropy[2:].abs().sum() == 0
+    whole = trainer.method._all_logprobs(trainer.model, replace(rollout, valid=None), False, counts)
+    assert counts["nfe_nograd"] == 2 + 4 and torch.equal(whole.logp[:2], got.logp[:2])
 
 
 def test_knapsack_refuses_what_ragged_groups_cannot_do(tiny_config):

@@ -46,9 +46,10 @@ COMMON = ["iterations=4", "checkpoint.every=2", "checkpoint.keep_last=5", "train
 
 @pytest.mark.parametrize(
     "extra",
-    [["recipe=spo"], pytest.param(["recipe=spo", "prompt_sampling={name: replay, fraction: 0.5, cooldown: 0}"],
-                                  marks=pytest.mark.slow)],
-    ids=["spo", "spo_replay"],
+    [["recipe=spo"], ["recipe=spo", "advantage.estimator.rho_type=kl"],
+     pytest.param(["recipe=spo", "prompt_sampling={name: replay, fraction: 0.5, cooldown: 0}"],
+                  marks=pytest.mark.slow)],
+    ids=["spo", "spo_kl", "spo_replay"],
 )  # fmt: skip
 def test_stop_and_resume_keeps_the_prompt_state_bit_identical(tiny_config, extra):
     ref_cfg = tiny_config(*COMMON, *extra, name="uninterrupted")
@@ -60,7 +61,8 @@ def test_stop_and_resume_keeps_the_prompt_state_bit_identical(tiny_config, extra
     assert resumed.iteration == 2 and resumed.sampler.draws == 2
     rest = resumed.train()
     ref, out = Path(ref_cfg.output_dir), Path(part.output_dir)
-    for group in ("model", "prompt_state"):
+    kl = "advantage.estimator.rho_type=kl" in extra  # SPO's KL-adaptive rho: the stored completions too
+    for group in ("model", "prompt_state", *(("spo_completions",) if kl else ())):
         _assert_identical(_tensors(ref, group), _tensors(out, group))
     state = _tensors(out, "prompt_state")
     assert state["seen"].sum() == 4 * 2 and (state["alpha"] + state["beta"] > 0).sum() == (state["seen"] > 0).sum()

@@ -21,9 +21,9 @@ from flowgrpo.text import load_text_config, train_text
 TINY = Path(__file__).resolve().parents[2] / "configs" / "text" / "tiny_pattern.yaml"
 # Stratified GRPO reads its strata from a reward head: here "contains aaaa" (0 / 1), weight 0
 STRATUM = "rewards=[{name: target_pattern}, {name: format_regex, pattern: aaaa, alias: stratum, weight: 0.0}]"
-# REAL labels 0 / 1 rewards; the toy reward is graded: label by the group mean, one update per batch (where the
-# per-row loss is the group loss exactly, flowgrpo/core/real.py)
-EXTRA = {"stratified_grpo": [STRATUM], "real": ["advantage.estimator.labels=mean", "train.inner_epochs=1"]}
+# REAL labels 0 / 1 rewards; the toy reward is graded: label by the group mean (the group loss is exact over
+# every update, flowgrpo/core/real.py)
+EXTRA = {"stratified_grpo": [STRATUM], "real": ["advantage.estimator.labels=mean"]}
 MARGIN = {"opmd": 0.1}  # measured 0.20 - 0.005 (see above)
 DEFAULT_TIER = ["rec_one_side_nois", "opmd", "red_drop", "canon", "stratified_grpo", "spo", "prompt_replay", "ace"]
 DEFAULT_TIER += ["real", "etr", "rover", "thr"]
