@@ -7,6 +7,8 @@
     python scripts/fetch_prompts.py unigenbench      # prompts/unigenbench_train.txt (Pref-GRPO)
     python scripts/fetch_prompts.py ocr              # prompts/ocr_train.txt, prompts/ocr_test.txt (GARDO)
     python scripts/fetch_prompts.py dancegrpo_video  # prompts/dancegrpo_video_train.txt (DanceGRPO HunyuanVideo)
+    python scripts/fetch_prompts.py refl             # prompts/refl_train.txt (ReFL)
+    python scripts/fetch_prompts.py simple_animals   # prompts/simple_animals_{train,test}.txt (AlignProp)
     python scripts/fetch_prompts.py --check          # what is there: files, prompt counts, problems
     python scripts/fetch_prompts.py hpdv2_test --from benchmark/photo.json benchmark/anime.json   # offline
 
@@ -23,6 +25,11 @@ Sources (the published sets, not shipped here for their size and licences):
     unigenbench  the Pref-GRPO repository's data/unigenbench_train_data.txt (UniGenBench's train prompts;
                github.com/CodeGoat24/Pref-GRPO); there is no test split here (UniGenBench's test prompts
                are a benchmark, github.com/CodeGoat24/UniGenBench)
+    refl       ImageReward's data/refl_data.json (THUDM/ImageReward @ 1beb4e4), the "text" of its 10,000 rows
+               (9,798 distinct once stripped), which ReFL's refl.py trains on; train only (ReFL runs no evaluation)
+    simple_animals  AlignProp's assets/simple_animals.txt (45 animals; prompts.py `simple_animals` picks one at
+               random per sample) for train and assets/eval_simple_animals.txt (6) for test
+               (mihirp1998/AlignProp @ 185d154)
 A failed download says so and names `--from`, which converts local copies instead (.txt one per line,
 .json a list of strings or of objects with "prompt", .jsonl objects with "prompt"). Prompts are stripped;
 empty lines and repeats are dropped.
@@ -44,6 +51,13 @@ FLOW_GRPO = "https://raw.githubusercontent.com/yifan123/flow_grpo/main/dataset/{
 PREF_GRPO = "https://raw.githubusercontent.com/CodeGoat24/Pref-GRPO/main/data/unigenbench_train_data.txt"
 DANCE_GRPO_VIDEO = "https://raw.githubusercontent.com/XueZeyue/DanceGRPO/main/assets/video_prompts.txt"
 HPD_REPO, HPD_STYLES = "zhwang/HPDv2", ("anime", "concept-art", "paintings", "photo")
+# ReFL's and AlignProp's prompt files at the commits their recipes were read from (docs/recipes.md)
+REFL_DATA = (
+    "https://raw.githubusercontent.com/THUDM/ImageReward/1beb4e4de0932acbe7fc090c51208048b6269b58/data/refl_data.json"
+)
+ALIGNPROP = (
+    "https://raw.githubusercontent.com/mihirp1998/AlignProp/185d154bc1ec25260846a2cb040841377c706d6a/assets/{name}"
+)
 
 
 def prompts_in(text: str, name: str) -> list[str]:
@@ -55,7 +69,8 @@ def prompts_in(text: str, name: str) -> list[str]:
         rows = rows if isinstance(rows, list) else rows.get("prompts", [])
     else:
         return [line for line in text.splitlines()]
-    return [row if isinstance(row, str) else row.get("prompt", "") for row in rows]
+    # "text": ReFL's data/refl_data.json rows are {"text": caption, "image": id}
+    return [row if isinstance(row, str) else row.get("prompt") or row.get("text", "") for row in rows]
 
 
 def write_prompts(prompts: Iterable[str], path: Path) -> int:
@@ -94,6 +109,9 @@ SOURCES: dict[str, list[Callable[[], tuple[str, str]]]] = {
     "ocr_train": [lambda: _url(FLOW_GRPO.format(name="ocr", split="train"))],
     "ocr_test": [lambda: _url(FLOW_GRPO.format(name="ocr", split="test"))],
     "dancegrpo_video_train": [lambda: _url(DANCE_GRPO_VIDEO)],
+    "refl_train": [lambda: _url(REFL_DATA)],
+    "simple_animals_train": [lambda: _url(ALIGNPROP.format(name="simple_animals.txt"))],
+    "simple_animals_test": [lambda: _url(ALIGNPROP.format(name="eval_simple_animals.txt"))],
 }
 GROUPS = {
     "pickscore": ["pickscore_train", "pickscore_test"],
@@ -102,6 +120,8 @@ GROUPS = {
     "unigenbench": ["unigenbench_train"],
     "ocr": ["ocr_train", "ocr_test"],
     "dancegrpo_video": ["dancegrpo_video_train"],
+    "refl": ["refl_train"],
+    "simple_animals": ["simple_animals_train", "simple_animals_test"],
 }
 GROUP_OF = {name: group for group, names in GROUPS.items() for name in names}
 

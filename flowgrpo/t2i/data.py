@@ -29,7 +29,8 @@ class PromptSet:
 
 # the prompt files scripts/fetch_prompts.py writes: its set name -> the splits it has
 FETCHABLE = {"pickscore": ("train", "test"), "pickscore_sfw": ("train", "test"), "hpdv2": ("train", "test"),
-             "unigenbench": ("train",), "ocr": ("train", "test")}  # fmt: skip
+             "unigenbench": ("train",), "ocr": ("train", "test"), "dancegrpo_video": ("train",), "refl": ("train",),
+             "simple_animals": ("train", "test")}  # fmt: skip
 
 
 def _fetch_hint(file: Path) -> str:

@@ -611,11 +611,16 @@ def _recipes() -> list[str]:
 
 
 def test_every_recipe_is_pinned_and_every_pin_is_a_recipe():
-    """Pins here, in test_real_configs_newbases.py and in test_real_configs_video.py (each checked there)."""
+    """Pins here, in test_real_configs_newbases.py, test_real_configs_video.py and test_real_configs_backprop.py
+    (each checked there)."""
     import importlib.util
 
     pinned = set(PINS)
-    for module, table in (("test_real_configs_newbases", "PINS"), ("test_real_configs_video", "VIDEO_PINS")):
+    for module, table in (
+        ("test_real_configs_newbases", "PINS"),
+        ("test_real_configs_video", "VIDEO_PINS"),
+        ("test_real_configs_backprop", "BACKPROP_PINS"),
+    ):
         spec = importlib.util.spec_from_file_location(module, Path(__file__).with_name(f"{module}.py"))
         assert spec is not None and spec.loader is not None
         loaded = importlib.util.module_from_spec(spec)
