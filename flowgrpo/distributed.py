@@ -17,6 +17,11 @@ ZeRO runs (deepspeed_zero2.yaml / deepspeed_zero3.yaml): the same split; the opt
 DeepSpeed engine (flowgrpo.scaling.zero, built by `OptimizerStep`), whose backward reduces gradient buckets, so
 every rank runs as many backward passes too (`lockstep`); under ZeRO-3 every forward gathers weights, as under
 FSDP2 (`gathers_weights`).
+
+Context-parallel runs (`model.context_parallel`, flowgrpo.scaling.context_parallel): the ranks of a group compute
+one sample together, so the split above is over the groups, not the ranks: a group's ranks get the same rollout
+batches (hence the same noise), gathers read each batch from the group's first rank, and sums over ranks count each
+group once. Every forward then takes every rank of a group, as under FSDP2 (`gathers_weights`, `lockstep`).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from .checkpoint import is_shard
 from .config import ConfigError
 
 if TYPE_CHECKING:
+    from .scaling.context_parallel import ContextParallelSettings
     from .scaling.sharding import ShardingConfig
     from .scaling.zero import ZeroConfig
 
@@ -80,7 +86,8 @@ def world_size_from_environment() -> int:
 
 class Distributed:
     """This process's rank and world; `sharding` is set when the run shards its models with FSDP2, `zero` when
-    its optimizer step goes through a DeepSpeed ZeRO engine."""
+    its optimizer step goes through a DeepSpeed ZeRO engine, `context_parallel` when groups of ranks compute one
+    sample together (`use_context_parallel`)."""
 
     def __init__(
         self,
@@ -88,8 +95,28 @@ class Distributed:
         world_size: int = 1,
         sharding: Optional["ShardingConfig"] = None,
         zero: Optional["ZeroConfig"] = None,
+        context_parallel: Optional["ContextParallelSettings"] = None,
     ):
         self.rank, self.world_size, self.sharding, self.zero = rank, world_size, sharding, zero
+        self.context_parallel: Optional["ContextParallelSettings"] = None
+        self.data_rank, self.data_world = rank, world_size
+        if context_parallel is not None:
+            self.use_context_parallel(context_parallel)
+
+    def use_context_parallel(self, cp: "ContextParallelSettings") -> None:
+        """Split the work over context-parallel groups of `cp.degree` consecutive ranks (degree 1: per rank)."""
+        from .scaling.context_parallel import ContextParallelError, data_parallel_coords
+
+        try:
+            self.data_rank, self.data_world = data_parallel_coords(self.rank, self.world_size, cp)
+        except ContextParallelError as err:
+            raise ConfigError(str(err)) from None
+        self.context_parallel = cp if cp.enabled else None
+
+    @property
+    def cp_degree(self) -> int:
+        """Ranks per sample (1 without context parallelism)."""
+        return 1 if self.context_parallel is None else self.context_parallel.degree
 
     @classmethod
     def from_environment(cls) -> "Distributed":
@@ -120,13 +147,14 @@ class Distributed:
     def gathers_weights(self) -> bool:
         """Every forward gathers weights from all ranks (FSDP2, ZeRO-3): evaluation, exports and generation run
         on every rank together."""
-        return self.sharded or (self.zero is not None and self.zero.stage == 3)
+        return self.sharded or (self.zero is not None and self.zero.stage == 3) or self.cp_degree > 1
 
     @property
     def lockstep(self) -> bool:
         """Every rank must run as many forward / backward passes: FSDP2 gathers shards in each, a ZeRO engine
-        reduces gradient buckets in each backward."""
-        return self.sharded or self.zero is not None
+        reduces gradient buckets in each backward; under context parallelism a group's ranks exchange activations in
+        each forward."""
+        return self.sharded or self.zero is not None or self.cp_degree > 1
 
     def shard(self, module: torch.nn.Module) -> None:
         """FSDP2 on `module`'s transformer blocks and root (flowgrpo.scaling.sharding.shard_model). Gradients are
@@ -163,7 +191,8 @@ class Distributed:
         return self.world_size > 1
 
     def my_chunks(self, n_chunks: int) -> list[int]:
-        return [c for c in range(n_chunks) if c % self.world_size == self.rank]
+        """The rollout batches this rank runs: c mod (data-parallel groups) == its group (its rank without CP)."""
+        return [c for c in range(n_chunks) if c % self.data_world == self.data_rank]
 
     # --- collectives ---------------------------------------------------------------------------
 
@@ -173,7 +202,9 @@ class Distributed:
 
         parts = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(parts, local.contiguous())
-        return torch.stack([parts[c % self.world_size][c // self.world_size] for c in range(n_chunks)])
+        # batch c lives on every rank of group c mod data_world; its first rank's copy is read
+        groups, degree = self.data_world, self.cp_degree
+        return torch.stack([parts[c % groups * degree][c // groups] for c in range(n_chunks)])
 
     def gather_chunks(self, per_chunk: list[Optional[Tensor]], n_chunks: int) -> Optional[Tensor]:
         """Concatenate per-batch tensors of every rank in global order (None stays None)."""
@@ -186,7 +217,10 @@ class Distributed:
 
     def all_reduce_grads(self, params: list[torch.nn.Parameter]) -> None:
         """Sum the gradients of replicated parameters over ranks (FSDP2 already reduce-scattered those of
-        sharded ones in backward; a replicated module, e.g. Adv-GRPO's discriminator, still needs this)."""
+        sharded ones in backward; a replicated module, e.g. Adv-GRPO's discriminator, still needs this). Under
+        context parallelism each rank of a group holds the gradient of its own tokens: the plain sum is the
+        group's gradient too (a module outside the split sequence would be counted once per rank: none is
+        trained under context parallelism, flowgrpo.scaling.context_parallel.trainer_problem)."""
         params = [p for p in params if not is_shard(p)]
         if not self.active or not params:
             return
@@ -202,17 +236,29 @@ class Distributed:
             offset += n
 
     def reduce_normalizer(self, norm):
-        return norm.all_reduce() if self.active else norm
+        """The loss normaliser's counts summed over the data-parallel groups (each group's once)."""
+        if not self.active:
+            return norm
+        return norm.all_reduce() if self.cp_degree == 1 else norm.all_reduce(self._sum_groups)
+
+    def _sum_groups(self, t: Tensor) -> Tensor:
+        """Sum over all ranks, divided by the ranks per group: the ranks of a group hold the same values (float64:
+        exact for counts, within an ulp for a sum of stds)."""
+        import torch.distributed as dist
+
+        dist.all_reduce(t)
+        return t / self.cp_degree if self.cp_degree > 1 else t
 
     def gather_objects(self, local: list) -> list:
-        """Every rank's list of picklable items, concatenated in rank order (the local list alone in one process)."""
+        """Every rank's list of picklable items, concatenated in rank order (the local list alone in one process);
+        under context parallelism, the list of each group's first rank (its other ranks hold the same)."""
         if not self.active:
             return list(local)
         import torch.distributed as dist
 
         parts: list = [None] * self.world_size
         dist.all_gather_object(parts, local)
-        return [item for part in parts for item in part]
+        return [item for part in parts[:: self.cp_degree] for item in part]
 
     def max(self, value: float) -> float:
         if not self.active:
@@ -224,13 +270,10 @@ class Distributed:
         return float(t)
 
     def sum(self, value: float) -> float:
+        """The sum over the data-parallel groups of a count (each context-parallel group's once)."""
         if not self.active:
             return value
-        import torch.distributed as dist
-
-        t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t)
-        return float(t)
+        return float(self._sum_groups(torch.tensor([value], dtype=torch.float64)))
 
     def barrier(self) -> None:
         if self.active:
@@ -243,6 +286,6 @@ class Distributed:
     def localize(self, global_nodes: Tensor, nodes_per_chunk: int) -> tuple[Tensor, Tensor]:
         """(mask of the global ids this rank owns, their ids in this rank's concatenated tree)."""
         chunk = global_nodes // nodes_per_chunk
-        mine = chunk % self.world_size == self.rank
-        local = (chunk // self.world_size) * nodes_per_chunk + global_nodes % nodes_per_chunk
+        mine = chunk % self.data_world == self.data_rank
+        local = (chunk // self.data_world) * nodes_per_chunk + global_nodes % nodes_per_chunk
         return mine, local[mine]

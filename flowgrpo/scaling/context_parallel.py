@@ -68,10 +68,8 @@ class ContextParallelSettings(StrictModel):
 
 
 def trainer_problem(cp: ContextParallelSettings, video_family: bool) -> str | None:
-    """Why the image trainer cannot run `model.context_parallel` (None: degree 1, nothing to do). The engine
-    below runs (tests/scaling/test_context_parallel.py); the trainer's rollout and update split still hands
-    different samples to every rank (`Distributed.my_chunks`, the loss normaliser, the gathers), where a
-    context-parallel group must share its samples and noise: refused until that split is per group."""
+    """Why the image trainer cannot run `model.context_parallel` on this model family (None: it can, or degree
+    1). The launch's world size is checked with the recipe (`world_problem`, flowgrpo.t2i.config)."""
     if not cp.enabled:
         return None
     if not video_family:
@@ -79,20 +77,38 @@ def trainer_problem(cp: ContextParallelSettings, video_family: bool) -> str | No
             f"model.context_parallel: ulysses x ring = {cp.degree} splits a video sequence; it needs a video "
             "family (model.family wan), or ulysses: 1, ring: 1"
         )
-    return (
-        f"model.context_parallel: ulysses x ring = {cp.degree} is not wired into the image trainer yet (its batch "
-        "split is per rank, not per context-parallel group: docs/scaling.md, 'Context parallelism'); set "
-        "ulysses: 1, ring: 1"
-    )
+    return None
 
 
-def world_problem(cp: ContextParallelSettings, world: int) -> str | None:
-    """Why `world` ranks cannot hold context-parallel groups of `cp.degree` (None: they can)."""
+def method_problem(cp: ContextParallelSettings, method: str, adversarial: bool) -> str | None:
+    """Why a method cannot run under context parallelism (None: it can). The ranks of a group must run the same
+    forwards on the same samples: Diffusion-DPO deals its preference pairs to ranks, not to groups, and Adv-GRPO's
+    replicated discriminator would have its gradient summed once per rank of a group."""
+    if not cp.enabled:
+        return None
+    if method == "diffusion_dpo" or adversarial:
+        what = "method diffusion_dpo" if method == "diffusion_dpo" else "adversarial.enabled"
+        return (
+            f"model.context_parallel: ulysses x ring = {cp.degree} does not run with {what} (its work is split "
+            "per rank, not per context-parallel group); use another method or ulysses: 1, ring: 1"
+        )
+    return None
+
+
+def world_problem(cp: ContextParallelSettings, world: int, chunks: int | None = None) -> str | None:
+    """Why `world` ranks cannot hold context-parallel groups of `cp.degree` (None: they can); with `chunks`
+    (rollout batches per iteration), also why those do not split evenly over the world / degree groups."""
     if world % cp.degree:
         valid = [d for d in range(1, world + 1) if world % d == 0]
         return (
             f"model.context_parallel: ulysses x ring = {cp.ulysses} x {cp.ring} = {cp.degree} must divide the "
             f"world size {world}; valid degrees: {valid}"
+        )
+    if chunks is not None and chunks % (world // cp.degree):
+        return (
+            f"prompts_per_iteration / rollout_prompts x rollout_split = {chunks} rollout batches must divide "
+            f"evenly over the {world // cp.degree} context-parallel groups ({world} processes / ulysses x ring "
+            f"{cp.degree})"
         )
     return None
 

@@ -33,7 +33,9 @@ from ..checkpoint.sharded_model import (  # noqa: F401  (re-exported: the docume
 
 # The transformer blocks of the models we train: SD3 / SD3.5 (MMDiT), FLUX.1 (double and single
 # stream), Qwen-Image, and the decoder layers of Qwen2 / Qwen2.5 and Llama (SmolLM2, Llama 3) text
-# policies. configs/accelerate/fsdp2.yaml lists the same names.
+# policies; configs/accelerate/fsdp2.yaml lists these. Then the video denoisers' blocks: Wan 2.1 / 2.2 (both
+# experts of A14B and TI2V 5B use WanTransformerBlock), HunyuanVideo (double and single stream) and
+# HunyuanVideo 1.5, which a launch names with --fsdp_transformer_layer_cls_to_wrap (docs/scaling.md).
 BLOCK_CLASSES: tuple[str, ...] = (
     "JointTransformerBlock",
     "FluxTransformerBlock",
@@ -41,6 +43,13 @@ BLOCK_CLASSES: tuple[str, ...] = (
     "QwenImageTransformerBlock",
     "Qwen2DecoderLayer",
     "LlamaDecoderLayer",
+    "WanTransformerBlock",
+    "HunyuanVideoTransformerBlock",
+    "HunyuanVideoSingleTransformerBlock",
+    "HunyuanVideo15TransformerBlock",
+    "Flux2TransformerBlock",
+    "Flux2SingleTransformerBlock",
+    "ZImageTransformerBlock",
 )
 
 _DTYPES = {"no": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

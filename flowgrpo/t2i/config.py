@@ -27,7 +27,7 @@ from .reward_backprop import RewardBackpropConfig
 from pipelines.plans import PLANS, build_plan
 from pipelines.sampler import SamplerConfig
 from pipelines.speed import SpeedConfig
-from ..scaling.context_parallel import ContextParallelSettings, trainer_problem
+from ..scaling.context_parallel import ContextParallelSettings, method_problem, trainer_problem, world_problem
 
 DEFAULTS: dict[str, Any] = {
     "advantage": {"estimator": {"name": "grpo", "unbiased": False}, "transforms": [{"name": "clip", "max": 5.0}]},
@@ -148,6 +148,14 @@ class RewardConfig(PartSpec):
         return self.alias or self.name
 
 
+class GroupFilterConfig(StrictModel):
+    """Edit-R1's group mask (flowgrpo/core/group_filter.py): a group enters the loss only when its reward std (biased,
+    of the weighted reward) > min_std and its mean < max_mean; the loss is a mean over the samples kept."""
+
+    min_std: float = Field(0.05, ge=0)
+    max_mean: float = 0.9
+
+
 class EdgeConfig(StrictModel):
     """Which stored transitions enter the loss (sampling and rewards are never changed by this)."""
 
@@ -162,6 +170,7 @@ class EdgeConfig(StrictModel):
     # last denoising step from n first (DanceGRPO's [:, :-1]).
     per_sample_fraction: Optional[float] = Field(None, gt=0, le=1)
     exclude_last: bool = False
+    group_filter: Optional[GroupFilterConfig] = None  # saturated groups out of the loss (methods grpo, nft); None: off
 
 
 class NFTConfig(StrictModel):
@@ -312,6 +321,9 @@ class T2IConfig(StrictModel):
                 "plan.post_compress rebuilds the tail of the time_shift grid (MixGRPO-Flash): set "
                 "sampler.schedule {name: time_shift, shift: ...}"
             )
+        if self.edges.group_filter is not None and self.method not in GROUP_FILTER_METHODS:
+            readers = " or ".join(GROUP_FILTER_METHODS)
+            raise ValueError(f"edges.group_filter masks groups in the loss of method {readers}, not '{self.method}'")
         if self.edges.exclude_last and self.edges.per_sample_fraction is None:
             raise ValueError("edges.exclude_last belongs to the per-sample step subsets: set per_sample_fraction")
         method = method_class(self.method)
@@ -348,8 +360,10 @@ class T2IConfig(StrictModel):
         return self
 
 
-# the methods whose advantages come from credit.assign_credit, which hands the per-prompt state to the estimator
-PROMPT_STATE_METHODS = ("grpo",)
+# the methods that hand the per-prompt state to the estimator: grpo (credit.assign_credit) and nft (its optimality)
+PROMPT_STATE_METHODS = ("grpo", "nft")
+# the methods whose loss reads edges.group_filter: grpo (credit.assign_credit), nft and nft_gardo (NFTMethod.update)
+GROUP_FILTER_METHODS = ("grpo", "nft", "nft_gardo")
 
 
 def _prompt_state_problem(cfg: T2IConfig, est: str) -> Optional[str]:
@@ -428,6 +442,9 @@ def _world_size_problem(cfg: T2IConfig) -> Optional[str]:
 
     world = world_size_from_environment()
     chunks = cfg.prompts_per_iteration // cfg.rollout_prompts * cfg.rollout_split
+    cp = cfg.model.context_parallel
+    if cp.enabled:  # the batches split over the groups of ulysses x ring ranks, not over the ranks
+        return world_problem(cp, world, chunks) or method_problem(cp, cfg.method, cfg.adversarial.enabled)
     if chunks % world:
         return (
             f"prompts_per_iteration / rollout_prompts x rollout_split = {chunks} rollout batches must divide "

@@ -74,6 +74,8 @@ class T2ITrainer(RunLoop):
         method_class(cfg.method).prepare_model(self.adapter, cfg)
         self.sampler = Sampler(cfg.sampler.model_copy(update={"keep_means": reads_old_means(cfg.loss)}))
         self.reference = reference_context(self.adapter, cfg.model, method_class(cfg.method).needs_reference(cfg))
+        if cfg.model.context_parallel.enabled:  # before FSDP2 wraps the hooked blocks (docs/scaling.md)
+            self._enable_context_parallel()
         if self.dist.sharded:
             self.params = shard_policy(self.adapter, self.reference, self.dist)
         self.param_names = [n for n, p in self.adapter.denoiser.named_parameters() if p.requires_grad]
@@ -100,6 +102,21 @@ class T2ITrainer(RunLoop):
         self.monitor = HackingMonitor(cfg, self)  # reward-hacking monitor: gold scorers, image statistics, alarm
         if cfg.resume:
             self.resume()
+
+    def _enable_context_parallel(self) -> None:
+        """diffusers' context parallelism on the denoiser (and a full fine-tune's frozen KL reference, same mesh);
+        the batch split becomes per group of `ulysses x ring` ranks (Distributed.use_context_parallel)."""
+        from ..scaling.context_parallel import ContextParallelError, enable_context_parallel
+        from .model import FrozenCopyReference
+
+        cp = self.cfg.model.context_parallel
+        self.dist.use_context_parallel(cp)
+        try:
+            mesh = enable_context_parallel(self.adapter.denoiser, cp)
+            if isinstance(self.reference, FrozenCopyReference):
+                enable_context_parallel(self.reference.frozen, cp, mesh)
+        except ContextParallelError as err:
+            raise ConfigError(str(err)) from None
 
     # --- checkpoints -------------------------------------------------------------------------------
 

@@ -21,6 +21,13 @@ FSDP2_BLOCKS = [
     "QwenImageTransformerBlock",
     "Qwen2DecoderLayer",
     "LlamaDecoderLayer",
+    "WanTransformerBlock",
+    "HunyuanVideoTransformerBlock",
+    "HunyuanVideoSingleTransformerBlock",
+    "HunyuanVideo15TransformerBlock",
+    "Flux2TransformerBlock",
+    "Flux2SingleTransformerBlock",
+    "ZImageTransformerBlock",
 ]
 
 
@@ -84,28 +91,22 @@ def test_fsdp2_config_gives_full_shard_bf16_block_wrap_and_checkpointing(name):
 
 
 def test_block_class_names_are_the_models_own():
-    """The names in fsdp2.yaml are the block classes diffusers / transformers declare as unsplittable."""
-    from diffusers import (
-        FluxTransformer2DModel,
-        QwenImageTransformer2DModel,
-        SD3Transformer2DModel,
-    )
+    """The names in fsdp2.yaml are block classes diffusers / transformers declare as unsplittable, and every
+    family's denoiser (and the text models) has its repeated blocks among them."""
+    import diffusers
     from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
     import flowgrpo  # noqa: F401  (torchvision hook)
 
-    declared = {
-        n
-        for c in (
-            SD3Transformer2DModel,
-            FluxTransformer2DModel,
-            QwenImageTransformer2DModel,
-            Qwen2ForCausalLM,
-            LlamaForCausalLM,
-        )
-        for n in c._no_split_modules
-    }
-    assert declared == set(FSDP2_BLOCKS)
+    models = [getattr(diffusers, name) for name in (
+        "SD3Transformer2DModel", "FluxTransformer2DModel", "QwenImageTransformer2DModel", "WanTransformer3DModel",
+        "HunyuanVideoTransformer3DModel", "HunyuanVideo15Transformer3DModel", "Flux2Transformer2DModel",
+        "ZImageTransformer2DModel",
+    )] + [Qwen2ForCausalLM, LlamaForCausalLM]  # fmt: skip
+    declared = {n for c in models for n in c._no_split_modules}
+    assert set(FSDP2_BLOCKS) <= declared, set(FSDP2_BLOCKS) - declared
+    for c in models:  # the embedders / refiners they also declare run once: not worth a shard unit each
+        assert any(n.endswith(("Block", "Layer")) and n in FSDP2_BLOCKS for n in c._no_split_modules), c.__name__
 
 
 def test_two_node_config_points_every_machine_at_machine_0():

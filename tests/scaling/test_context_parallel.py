@@ -1,11 +1,17 @@
 """Context parallelism (diffusers' Ulysses) composed with FSDP2: a tiny Wan transformer on 2 gloo ranks against
-one process, the settings' checks, the (dp_shard, ring, ulysses) rank layout, and the video memory table."""
+one process, the image trainer under it (a tiny Wan Flow-GRPO step on 2 and 4 ranks against 1 and 2 processes),
+the settings' checks, the (dp_shard, ring, ulysses) rank layout, and the video memory table."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
+
+from flowgrpo.metrics import read_metrics
 
 from flowgrpo.scaling import context_parallel as cpm
 from flowgrpo.scaling import video_memory as vm
@@ -57,16 +63,116 @@ def test_a_context_parallel_group_is_consecutive_ranks_sharing_one_data_index():
         cpm.data_parallel_coords(0, 6, cp)
 
 
-def test_config_refuses_what_cannot_run_in_one_line():
-    from flowgrpo.t2i.config import ImageModelConfig
+def test_the_trainer_split_is_per_group_under_context_parallelism():
+    """Distributed's per-rank split becomes per group: both ranks of a group run the same batches, localize to
+    the same edges, and take part in every forward (lockstep, gathered evaluation)."""
+    from flowgrpo.config import ConfigError
+    from flowgrpo.distributed import Distributed
+
+    ranks = [Distributed(rank, 4, context_parallel=CP(ulysses=2)) for rank in range(4)]
+    assert [d.my_chunks(4) for d in ranks] == [[0, 2], [0, 2], [1, 3], [1, 3]]
+    nodes = torch.arange(4 * 3)  # 4 batches of 3 nodes: batch 1 and 3 on group 1, in that order
+    mine, local = ranks[3].localize(nodes, 3)
+    assert mine.tolist() == [False] * 3 + [True] * 3 + [False] * 3 + [True] * 3 and local.tolist() == list(range(6))
+    assert all(d.lockstep and d.gathers_weights and d.cp_degree == 2 for d in ranks)
+    plain = Distributed(3, 4, context_parallel=CP())  # degree 1: the per-rank split, unchanged
+    assert plain.my_chunks(4) == [3] and not plain.lockstep and plain.cp_degree == 1
+    with pytest.raises(ConfigError, match="must divide the world size 4; valid degrees: \\[1, 2, 4\\]"):
+        Distributed(0, 4, context_parallel=CP(ulysses=3))
+
+
+def test_config_refuses_what_cannot_run_in_one_line(monkeypatch):
+    from flowgrpo.t2i.config import ImageModelConfig, load_t2i_config
 
     assert not ImageModelConfig(tiny=True, family="wan").context_parallel.enabled
+    assert ImageModelConfig(tiny=True, family="wan", context_parallel={"ulysses": 2}).context_parallel.degree == 2
     with pytest.raises(ValueError, match="needs a video family"):
         ImageModelConfig(tiny=True, family="sd3", context_parallel={"ulysses": 2})
-    with pytest.raises(ValueError, match="not wired into the image trainer yet"):
-        ImageModelConfig(tiny=True, family="wan", context_parallel={"ulysses": 2})
     with pytest.raises(ValueError, match="greater than or equal to 1"):
         ImageModelConfig(tiny=True, family="wan", context_parallel={"ring": 0})
+    recipe = str(ROOT / "configs/t2i/tiny/wan_flow_grpo.yaml")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ValueError, match="must divide the world size 1; valid degrees: \\[1\\]"):
+        load_t2i_config(recipe, ["model.context_parallel.ulysses=2"])
+    monkeypatch.setenv("WORLD_SIZE", "4")  # 2 groups of 2: one rollout batch cannot feed both
+    with pytest.raises(ValueError, match="1 rollout batches must divide evenly over the 2 context-parallel groups"):
+        load_t2i_config(recipe, ["model.context_parallel.ulysses=2", "prompts_per_iteration=1"])
+    assert load_t2i_config(recipe, ["model.context_parallel.ulysses=4", "prompts_per_iteration=1"])
+    with pytest.raises(ValueError, match="does not run with method diffusion_dpo"):
+        load_t2i_config(recipe, ["model.context_parallel.ulysses=2", "method=diffusion_dpo"])
+
+
+# --- the image trainer under context parallelism ---------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+# what `accelerate launch --config_file configs/accelerate/fsdp2.yaml --fsdp_transformer_layer_cls_to_wrap
+# WanTransformerBlock` exports (docs/scaling.md), in fp32: the comparison is about the split, not bf16 rounding
+FSDP_WAN_ENV = {
+    "ACCELERATE_USE_FSDP": "true",
+    "FSDP_VERSION": "2",
+    "ACCELERATE_MIXED_PRECISION": "no",
+    "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+    "FSDP_TRANSFORMER_CLS_TO_WRAP": "WanTransformerBlock",
+    "FSDP_RESHARD_AFTER_FORWARD": "true",
+    "FSDP_ACTIVATION_CHECKPOINTING": "true",
+}
+# one tiny Wan Flow-GRPO iteration (5 frames at 32 x 32: 2 latent frames x 2 x 2 = 8 tokens, 2 heads), a KL term.
+# Adam's eps 1.0 makes its first step lr * g / (|g| + 1), about lr * g: the LoRA weights after the step are a
+# linear read-out of the gradient, so a gradient counted twice (a group's ranks each adding the whole sample's)
+# or half (a missing token share) shows as a factor 2, not hidden by Adam's sign-like first step
+WAN_STEP = [
+    "iterations=1", "num_threads=1", "progress=false", "artifacts.tensorboard=false", "artifacts.plot=false",
+    "checkpoint.every=0", "loss.kl.coef=0.01", "optim.eps=1.0", "train.micro_batch_size=4", "sampler.num_steps=3",
+    "group_size=4", "eval.images_per_prompt=1",
+]  # fmt: skip
+# a record's quantities that do not depend on the launch (rollout, rewards, advantages, counts of work)
+SAME_KEYS = ("reward_mean", "reward_std", "adv/mean", "adv/std", "adv/abs_max", "edges/trained", "images",
+             "rollout_nfe_nograd", "reward_calls", "nfe_grad", "backward_passes")  # fmt: skip
+# relative to the largest LoRA update: float32 sums of the token shares and samples in another order
+LORA_RTOL = 1e-5
+
+
+def _wan_run(launch_ranks, monkeypatch, out: Path, world: int, *extra: str, sharded: bool = True) -> Path:
+    with monkeypatch.context() as m:
+        for key, value in FSDP_WAN_ENV.items():
+            m.setenv(key, value) if sharded else m.delenv(key, raising=False)
+        args = [str(ROOT / "configs/t2i/tiny/wan_flow_grpo.yaml"), f"output_dir={out}", *WAN_STEP, *extra]
+        launch_ranks("train_t2i.py", args, world, timeout=300)
+    return out
+
+
+def _same_step(got: Path, want: Path) -> float:
+    """Assert the two runs rolled out, scored and counted the same; the LoRA difference relative to the update."""
+    (g,), (w,) = read_metrics(got / "metrics.jsonl"), read_metrics(want / "metrics.jsonl")
+    for key in SAME_KEYS:
+        assert g[key] == w[key], (key, g[key], w[key])
+    a = load_file(str(got / "lora/pytorch_lora_weights.safetensors"))
+    b = load_file(str(want / "lora/pytorch_lora_weights.safetensors"))
+    assert a.keys() == b.keys() and len(a) == 32  # LoRA on the 2 blocks' self- and cross-attention projections
+    update = max(float(v.abs().max()) for k, v in b.items() if "lora_B" in k)  # LoRA B starts at 0
+    diff = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert update > 0 and diff <= LORA_RTOL * update, (diff, update)
+    return diff / update
+
+
+@pytest.mark.heavy
+def test_wan_step_with_ulysses_2_on_2_ranks_equals_one_process(launch_ranks, monkeypatch, tmp_path):
+    """One rollout batch (prompts_per_iteration 1): a data-parallel launch of 2 ranks is refused, so the 2 ranks
+    are one context-parallel group running the same batch, each block on half of the tokens."""
+    one = _wan_run(launch_ranks, monkeypatch, tmp_path / "one", 1, "prompts_per_iteration=1", sharded=False)
+    cp = _wan_run(launch_ranks, monkeypatch, tmp_path / "cp", 2, "prompts_per_iteration=1",
+                  "model.context_parallel.ulysses=2")  # fmt: skip
+    _same_step(cp, one)
+
+
+@pytest.mark.heavy
+def test_wan_step_on_2_groups_of_2_ulysses_ranks_equals_2_data_parallel_ranks(launch_ranks, monkeypatch, tmp_path):
+    """(dp_shard 2) x (ulysses 2) on 4 ranks, FSDP2 over all 4: rollout batch c on group c, as on rank c of a
+    2-rank data-parallel launch."""
+    dp = _wan_run(launch_ranks, monkeypatch, tmp_path / "dp", 2, "prompts_per_iteration=2")
+    cp = _wan_run(launch_ranks, monkeypatch, tmp_path / "cp", 4, "prompts_per_iteration=2",
+                  "model.context_parallel.ulysses=2")  # fmt: skip
+    _same_step(cp, dp)
 
 
 def test_video_memory_rows_shrink_with_the_degree_and_the_doc_is_current():
