@@ -13,7 +13,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import importlib
-import json
 import os
 import re
 from collections import OrderedDict
@@ -22,9 +21,8 @@ from typing import Any, ClassVar, Iterator, Optional, Sequence
 import torch
 from torch import Tensor
 
-from flowgrpo.atomic_io import own_storage
-
-from .embeds import PromptEmbeds, stack_rows
+from .embeds import PromptEmbeds, real_tokens, stack_rows
+from .export import write_lora, write_model_folder
 
 CFG_MODES = ("full", "detach_uncond", "none")
 LORA_INITS = ("gaussian", "default")
@@ -37,6 +35,9 @@ class Adapter(abc.ABC):
     family: ClassVar[str]
     prediction: ClassVar[str] = "velocity"
     pipeline_class: ClassVar[str]  # attribute of `diffusers`, imported lazily
+    # the `diffusers.loaders` LoRA loader mixin whose `save_lora_weights` writes the LoRA file, for a pipeline
+    # class that has none (HunyuanVideo15Pipeline in diffusers 0.42); None: the pipeline class's own
+    lora_writer: ClassVar[str | None] = None
     denoiser_name: ClassVar[str] = "transformer"  # pipeline component that LoRA attaches to
     lora_targets: ClassVar[tuple[str, ...]]
     default_max_sequence_length: ClassVar[int] = 256
@@ -199,10 +200,7 @@ class Adapter(abc.ABC):
             chunk = missing[start : start + self.encode_batch_size]
             rows = self._encode(chunk)
             for i, p in enumerate(chunk):
-                # with a token mask, keep a row's real tokens only; `stack_rows` pads per batch
-                n = int(rows["mask"][i].sum()) if "mask" in rows else None
-                self._cache[p] = {k: v[i : i + 1] if n is None or k == "pooled" else v[i : i + 1, :n]
-                                  for k, v in rows.items()}  # fmt: skip
+                self._cache[p] = real_tokens(rows, i)  # masked streams: real tokens only; `stack_rows` pads per batch
         for p in wanted:
             self._cache.move_to_end(p)
         cond = stack_rows([self._cache[p] for p in prompts])
@@ -210,21 +208,15 @@ class Adapter(abc.ABC):
         while len(self._cache) > max(self.prompt_cache_size, len(wanted)):
             self._cache.popitem(last=False)
             self._stacked.clear()
-        embeds = PromptEmbeds(
-            cond=cond["embeds"],
-            uncond=uncond["embeds"],
-            pooled=cond.get("pooled"),
-            uncond_pooled=uncond.get("pooled"),
-            mask=cond.get("mask"),
-            uncond_mask=uncond.get("mask"),
-        )
+        embeds = PromptEmbeds.from_rows(cond, uncond)
         if not torch.is_inference_mode_enabled():  # inference tensors could not be reused with grad
             self._stacked[key] = embeds
         return embeds
 
     @abc.abstractmethod
     def _encode(self, texts: list[str]) -> dict[str, Tensor]:
-        """One encoder pass: {"embeds": [N, L, D], optional "pooled": [N, D], "mask": [N, L]}."""
+        """One encoder pass: {"embeds": [N, L, D], optional "pooled": [N, D], "mask": [N, L], and a second token
+        stream "embeds2" [N, L2, D2] with "mask2" [N, L2]}."""
 
     # ---- denoiser ------------------------------------------------------------------------------
 
@@ -361,44 +353,16 @@ class Adapter(abc.ABC):
         self, path: str | os.PathLike, adapter_name: str = "default", state: dict[str, Tensor] | None = None
     ) -> str:
         """Write `path/pytorch_lora_weights.safetensors` (+ LoraConfig as metadata, so alpha survives) with diffusers'
-        writer for `<Pipeline>.load_lora_weights(path)`. `state`: the weights gathered from a sharded run."""
-        from peft.utils import get_peft_model_state_dict
-
+        writer (`lora_writer`) for `<Pipeline>.load_lora_weights(path)`. `state`: the weights gathered from a sharded
+        run."""
         if adapter_name not in getattr(self.denoiser, "peft_config", {}):
             raise ValueError(f"no LoRA adapter '{adapter_name}' on the {self.family} denoiser")
-        state = get_peft_model_state_dict(self.denoiser, state_dict=state, adapter_name=adapter_name)
-        state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
-        meta = self.denoiser.peft_config[adapter_name].to_dict()
-        self._pipeline_cls().save_lora_weights(
-            os.fspath(path),
-            **{f"{self.denoiser_name}_lora_layers": state, f"{self.denoiser_name}_lora_adapter_metadata": meta},
-        )
-        return os.fspath(path)
+        return write_lora(self._lora_writer(), self.denoiser, path, adapter_name, self.denoiser_name, state)
 
     def save_denoiser(self, path: str | os.PathLike, state: dict[str, Tensor] | None = None) -> str:
         """A fully fine-tuned denoiser as a diffusers model folder (config.json + safetensors shards) for
         `<Model>.from_pretrained(path)`. `state`: the weights gathered from a sharded run (default: the live model's)."""
-        from huggingface_hub import save_torch_state_dict
-
-        model = self.denoiser
-        # FSDP2 renames the class (FSDPSD3Transformer2DModel); the folder names the model class it came from
-        cls = next(
-            c for c in type(model).__mro__ if hasattr(c, "from_pretrained") and not c.__name__.startswith("FSDP")
-        )
-        model.save_config(path)
-        config_file = os.path.join(path, "config.json")
-        with open(config_file) as f:
-            config = json.load(f)
-        with open(config_file, "w") as f:
-            json.dump({**config, "_class_name": cls.__name__}, f, indent=2, sort_keys=True)
-        state = model.state_dict() if state is None else state
-        save_torch_state_dict(
-            {k: own_storage(v.detach()) for k, v in state.items()},
-            os.fspath(path),
-            filename_pattern="diffusion_pytorch_model{suffix}.safetensors",
-            max_shard_size="10GB",
-        )
-        return os.fspath(path)
+        return write_model_folder(self.denoiser, path, state)
 
     def load_lora(
         self, path: str | os.PathLike, adapter_name: str = "default", dtype: torch.dtype = torch.float32
@@ -422,6 +386,13 @@ class Adapter(abc.ABC):
     @classmethod
     def _pipeline_cls(cls) -> Any:
         return getattr(importlib.import_module("diffusers"), cls.pipeline_class)
+
+    @classmethod
+    def _lora_writer(cls) -> Any:
+        """The class whose `save_lora_weights` writes this family's LoRA file: `lora_writer` or the pipeline class."""
+        if cls.lora_writer is None:
+            return cls._pipeline_cls()
+        return getattr(importlib.import_module("diffusers.loaders"), cls.lora_writer)
 
     @classmethod
     def from_pretrained(

@@ -27,7 +27,7 @@ from typing import Any, Callable, ClassVar, Sequence
 import torch
 from torch import Tensor
 
-from .embeds import PromptEmbeds, _pad, stack_rows
+from .embeds import PromptEmbeds, _pad, real_tokens, stack_rows
 
 
 class EditPrompt(str):
@@ -173,7 +173,7 @@ class EditAdapter:
         for k in wanted:
             if k not in cache:
                 text, p = texts[k]
-                cache[k] = _real_tokens(self._encode_edit_text(text, p.images if self.text_sees_images else ()))
+                cache[k] = real_tokens(self._encode_edit_text(text, p.images if self.text_sees_images else ()), 0)
             cache.move_to_end(k)
         refs = [self._reference(p) for p in edits]
         cond = stack_rows([cache[k] for k in cond_keys])
@@ -185,13 +185,9 @@ class EditAdapter:
             self._references.popitem(last=False)
         n_ref = max(t.shape[1] for t, _ in refs)
         k_ref = max(s.shape[0] for _, s in refs)
-        embeds = EditEmbeds(
-            cond=cond["embeds"],
-            uncond=uncond["embeds"],
-            pooled=cond.get("pooled"),
-            uncond_pooled=uncond.get("pooled"),
-            mask=cond.get("mask"),
-            uncond_mask=uncond.get("mask"),
+        embeds = EditEmbeds.from_rows(
+            cond,
+            uncond,
             reference=torch.cat([_pad(t, n_ref) for t, _ in refs]),
             reference_shapes=torch.stack([torch.nn.functional.pad(s, (0, 0, 0, k_ref - s.shape[0])) for _, s in refs]),
         )
@@ -245,11 +241,3 @@ def _cut(text: dict[str, Tensor | None], rows: Any, layout: tuple[tuple[int, int
     out = {k: None if v is None else v[rows] for k, v in text.items()}
     out["reference"] = out["reference"][:, :n]  # type: ignore[index]
     return out
-
-
-def _real_tokens(rows: dict[str, Tensor]) -> dict[str, Tensor]:
-    """One encoded row, its padding tokens dropped (with a mask), as the base adapter caches rows."""
-    if "mask" not in rows:
-        return rows
-    n = int(rows["mask"][0].sum())
-    return {k: v if k == "pooled" else v[:, :n] for k, v in rows.items()}

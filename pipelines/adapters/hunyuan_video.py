@@ -3,9 +3,8 @@
 
 What HunyuanVideoPipeline does, and where it lives here:
 
-- Latents are 5-D [B, C, F, h, w]: F = (num_frames - 1) // 4 + 1 latent frames (129 frames -> 33), h, w = pixels // 8;
-  the transformer packs 2x2 patches itself. `latent_shape(height, width)` returns (C, F, h, w) with the adapter's
-  `num_frames`, so the sampler draws video noise without knowing about frames.
+- Latents are 5-D [B, C, F, h, w] (`video.VideoAdapter`): F = (num_frames - 1) // 4 + 1 latent frames (129 frames ->
+  33), h, w = pixels // 8; the transformer packs 2x2 patches itself.
 - Text: the prompt goes into a chat template (system turn + user turn), the Llama encoder's third-to-last hidden
   state is taken and the template's system part is cropped off (`crop_start` tokens, 95 for the published Llama 3
   tokenizer), with a token mask; CLIP-L's pooled output is the pooled vector. `prompt_template` swaps the template
@@ -30,13 +29,14 @@ What HunyuanVideoPipeline does, and where it lives here:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from . import tiny_parts
 from .base import Adapter
+from .video import VideoAdapter
 
 # The published transformer config (hunyuanvideo-community/HunyuanVideo, transformer/config.json) is
 # HunyuanVideoTransformer3DModel's defaults: diffusers' scripts/convert_hunyuan_video_to_diffusers.py@04614753 builds
@@ -61,11 +61,9 @@ TINY_PROMPT_TEMPLATE = {
 }
 
 
-class HunyuanVideoAdapter(Adapter):
+class HunyuanVideoAdapter(VideoAdapter):
     family = "hunyuan_video"
-    prediction = "velocity"
     pipeline_class = "HunyuanVideoPipeline"
-    denoiser_name = "transformer"
     # DanceGRPO's LoRA targets (fastvideo/train_grpo_flux_lora.py@15cc71d, its only LoRA recipe: to_q / to_k / to_v /
     # to_out.0); its HunyuanVideo run (train_grpo_hunyuan.py@15cc71d) fine-tunes the whole transformer. Here these
     # names hit the image-stream attention of the double-stream blocks, the single-stream blocks' q/k/v and the
@@ -73,11 +71,10 @@ class HunyuanVideoAdapter(Adapter):
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     default_max_sequence_length = 256  # HunyuanVideoPipeline's
     block_names = ("transformer_blocks", "single_transformer_blocks")  # double- then single-stream
-    latent_ndim = 5
     default_num_frames = 129  # the pipeline's (DanceGRPO trains on 53 frames at 480x480)
-    tiny_num_frames = 5
+    spatial_scale_key, temporal_scale_key = "spatial_compression_ratio", "temporal_compression_ratio"
 
-    options = (*Adapter.options, "num_frames", "vae_tiling", "embedded_guidance", "prompt_template")
+    options = (*VideoAdapter.options, "embedded_guidance", "prompt_template")
 
     def __init__(
         self,
@@ -89,64 +86,19 @@ class HunyuanVideoAdapter(Adapter):
         prompt_template: dict[str, Any] | None = None,
         **kw: Any,
     ):
-        super().__init__(pipe, **kw)
+        # spatial tiles on top of the VAE's temporal ones by default (module docstring)
+        super().__init__(pipe, num_frames=num_frames, vae_tiling=vae_tiling, **kw)
         if prompt_template is not None and "{}" not in str(prompt_template.get("template", "")):
             raise ValueError(f"{self.family}: prompt_template needs a 'template' with a '{{}}', got {prompt_template}")
         self.prompt_template = prompt_template  # None: the pipeline's own
         self.embedded_guidance = float(embedded_guidance)
-        self.num_frames = int(num_frames or self.default_num_frames)
-        if problem := self.frames_problem(self.num_frames):
-            raise ValueError(problem)
-        self.vae.enable_slicing()  # one video at a time through the VAE
-        if vae_tiling:
-            self.vae.enable_tiling()  # spatial tiles on top of the temporal ones (module docstring)
-        self.vae_tiling = bool(vae_tiling)
 
     @classmethod
     def tiny(cls, seed: int = 0, dtype: torch.dtype = torch.float32, device: Any = "cpu", **kw: Any) -> "Adapter":
-        kw.setdefault("num_frames", cls.tiny_num_frames)
         kw.setdefault("prompt_template", TINY_PROMPT_TEMPLATE)
         return super().tiny(seed=seed, dtype=dtype, device=device, **kw)
 
-    # ---- geometry ------------------------------------------------------------------------------
-
-    @property
-    def temporal_scale(self) -> int:
-        return int(self.vae.config.temporal_compression_ratio)
-
-    def frames_problem(self, num_frames: int) -> Optional[str]:
-        k = self.temporal_scale
-        if num_frames < 1 or (num_frames - 1) % k:
-            return f"{self.family}: num_frames must be 1 + a multiple of {k} (e.g. {4 * k + 1}, 129), got {num_frames}"
-        return None
-
-    def latent_frames(self, num_frames: int | None = None) -> int:
-        return (int(num_frames or self.num_frames) - 1) // self.temporal_scale + 1
-
-    def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
-        """Video latent (C, F, h, w) for `num_frames` (default: the adapter's) of height x width pixels."""
-        frames = int(num_frames or self.num_frames)
-        problem = self.frames_problem(frames) or self.resolution_problem(
-            height, width, self.denoiser.config, self.vae.config
-        )
-        if problem:
-            raise ValueError(problem)
-        s = self.vae_scale_factor
-        return (self._latent_channels(), self.latent_frames(frames), height // s, width // s)
-
-    def image_seq_len(self, height: int, width: int) -> int:
-        """Video tokens the transformer sees: latent frames x (h / p) x (w / p)."""
-        _, f, h, w = self.latent_shape(height, width)
-        p, pt = self._patch_size(), int(self.denoiser.config.patch_size_t)
-        return (f // pt) * (h // p) * (w // p)
-
-    @classmethod
-    def vae_scale_of(cls, vae_config: Any) -> int:
-        return int(vae_config["spatial_compression_ratio"])
-
-    @classmethod
-    def patch_of(cls, denoiser_config: Any) -> int:
-        return int(denoiser_config["patch_size"])
+    # ---- geometry (frames, latent shape, tokens: video.VideoAdapter) ----------------------------
 
     def flow_grid(self, num_steps: int, height: int, width: int, shift: float | None) -> Any:
         """The pipeline's grid: sigmas linspace(1, 0, N + 1)[:-1] through the scheduler's static shift, then 0."""
@@ -178,12 +130,8 @@ class HunyuanVideoAdapter(Adapter):
 
     # ---- video ---------------------------------------------------------------------------------
 
-    def _decode(self, latents: Tensor) -> Tensor:
-        """[B, C, F, h, w] -> frames [B, F', 3, H, W] in [0, 1] (F' = the pixel frame count)."""
-        vae = self.vae
-        z = latents.to(device=_first_device(vae), dtype=vae.dtype) / vae.config.scaling_factor
-        video = vae.decode(z, return_dict=False)[0]  # [B, 3, F', H, W] in [-1, 1]
-        return (video.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4).contiguous()
+    def _unscale(self, z: Tensor) -> Tensor:
+        return z / self.vae.config.scaling_factor
 
     # ---- construction --------------------------------------------------------------------------
 
@@ -217,7 +165,3 @@ class HunyuanVideoAdapter(Adapter):
             text_encoder_2=tiny_parts.clip_text_model(False, max_len=77),  # pooled 32 = pooled_projection_dim
             tokenizer_2=tiny_parts.clip_tokenizer(77),
         )
-
-
-def _first_device(module: torch.nn.Module) -> torch.device:
-    return next(module.parameters()).device

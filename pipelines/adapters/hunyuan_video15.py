@@ -9,10 +9,9 @@ What HunyuanVideo15Pipeline does, and where it lives here (geometry, grid and de
 - Text: the prompt is a chat turn (system message + user turn, `apply_chat_template`) through Qwen2.5-VL, third-to-
   last hidden state, the first `prompt_template_encode_start_idx` (108) tokens cropped, with a mask; the pipeline's
   `tokenizer_max_length` (1000) is the adapter's max_sequence_length. Quoted text in the prompt ("...") is also
-  encoded by byT5 (256 tokens + mask, all-zero when there is none). `PromptEmbeds` has one masked token stream, so
-  the byT5 rows ride in its `pooled` slot (1.5 has no pooled vector): flattened [256 * 1472] then the 256-long mask,
-  unpacked in `_forward`. Cached Qwen rows keep their real tokens; the transformer moves masked tokens behind the
-  valid ones and masks them, so the pipeline's padding to 1000 changes nothing.
+  encoded by byT5 (256 tokens + mask, all-zero when there is none): `PromptEmbeds`' second token stream (cond2 /
+  mask2; no pooled vector). Cached rows of both streams keep their real tokens; the transformer moves masked tokens
+  behind the valid ones and masks them, so the pipeline's padding (1000 / 256 tokens) changes nothing.
 - Guidance: real CFG through the pipeline's ClassifierFreeGuidance guider (6.0 published; the CFG-distilled
   checkpoints ship 1.0: use cfg_mode "none"): uncond + w (cond - uncond) with w the sampler's guidance_scale.
   A guider with guidance_rescale, the "original formulation" or a start / stop window is refused, not mis-sampled.
@@ -26,7 +25,6 @@ What HunyuanVideo15Pipeline does, and where it lives here (geometry, grid and de
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -63,6 +61,10 @@ class HunyuanVideo15Adapter(HunyuanVideoAdapter):
     tiny_max_sequence_length = 32
     block_names = ("transformer_blocks",)
     default_num_frames = 121  # the pipeline's
+    # HunyuanVideo15Pipeline has no `load_lora_weights` (diffusers 0.42): the same diffusers-format file
+    # (`transformer.` keys + LoraConfig metadata) is written with HunyuanVideo's writer; it loads with
+    # `pipe.transformer.load_lora_adapter(path, prefix="transformer")` or `load_lora` here
+    lora_writer = "HunyuanVideoLoraLoaderMixin"
 
     options = tuple(o for o in HunyuanVideoAdapter.options if o not in ("embedded_guidance", "prompt_template"))
 
@@ -83,27 +85,7 @@ class HunyuanVideo15Adapter(HunyuanVideoAdapter):
 
     @classmethod
     def tiny(cls, seed: int = 0, dtype: torch.dtype = torch.float32, device: Any = "cpu", **kw: Any) -> "Adapter":
-        kw.setdefault("num_frames", cls.tiny_num_frames)
         return super(HunyuanVideoAdapter, cls).tiny(seed=seed, dtype=dtype, device=device, **kw)
-
-    def save_lora(
-        self, path: str | os.PathLike, adapter_name: str = "default", state: dict[str, Tensor] | None = None
-    ) -> str:
-        """HunyuanVideo15Pipeline has no `load_lora_weights` (diffusers 0.42): the same diffusers-format file
-        (`transformer.` keys + LoraConfig metadata) is written with HunyuanVideo's writer; it loads with
-        `pipe.transformer.load_lora_adapter(path, prefix="transformer")` or `load_lora` here."""
-        from diffusers.loaders import HunyuanVideoLoraLoaderMixin
-        from peft.utils import get_peft_model_state_dict
-
-        if adapter_name not in getattr(self.denoiser, "peft_config", {}):
-            raise ValueError(f"no LoRA adapter '{adapter_name}' on the {self.family} denoiser")
-        state = get_peft_model_state_dict(self.denoiser, state_dict=state, adapter_name=adapter_name)
-        HunyuanVideoLoraLoaderMixin.save_lora_weights(
-            os.fspath(path),
-            transformer_lora_layers={k: v.detach().to("cpu").contiguous() for k, v in state.items()},
-            transformer_lora_adapter_metadata=self.denoiser.peft_config[adapter_name].to_dict(),
-        )
-        return os.fspath(path)
 
     # ---- prompts and the denoiser --------------------------------------------------------------
 
@@ -111,15 +93,10 @@ class HunyuanVideo15Adapter(HunyuanVideoAdapter):
         embeds, mask, glyph, glyph_mask = self.pipe.encode_prompt(
             prompt=list(texts), device=self.device, dtype=self.dtype, batch_size=len(texts)
         )
-        packed = torch.cat([glyph.flatten(1), glyph_mask.to(glyph.dtype)], dim=1)  # module docstring
-        return {"embeds": embeds, "mask": mask, "pooled": packed}
+        return {"embeds": embeds, "mask": mask, "embeds2": glyph, "mask2": glyph_mask}  # byT5: the second stream
 
     def _forward(self, x: Tensor, sigma: Tensor, text: dict[str, Tensor | None], guidance: float | None) -> Tensor:
         n, cfg = x.shape[0], self.denoiser.config
-        packed = text["pooled"]
-        assert packed is not None
-        dim = int(cfg.text_embed_2_dim)
-        length = packed.shape[1] // (dim + 1)
         # t2v: an all-zero condition latent, an all-zero mask channel, all-zero vision tokens (the pipeline's)
         inputs = torch.cat([x, torch.zeros_like(x), x.new_zeros(n, 1, *x.shape[2:])], dim=1)
         image = x.new_zeros(n, self.pipe.vision_num_semantic_tokens, cfg.image_embed_dim)
@@ -129,8 +106,8 @@ class HunyuanVideo15Adapter(HunyuanVideoAdapter):
             timestep=sigma * self.pipe.scheduler.config.num_train_timesteps,
             encoder_hidden_states=text["embeds"],
             encoder_attention_mask=text["mask"],
-            encoder_hidden_states_2=packed[:, : length * dim].reshape(n, length, dim),
-            encoder_attention_mask_2=packed[:, length * dim :],
+            encoder_hidden_states_2=text["embeds2"],
+            encoder_attention_mask_2=text["mask2"],
             return_dict=False,
         )[0]
 

@@ -2,10 +2,8 @@
 
 What WanPipeline does, and where it lives here:
 
-- Latents are 5-D [B, C, F, h, w]: F = (num_frames - 1) // scale_factor_temporal + 1 latent frames (81 frames ->
-  21), h, w = pixels // scale_factor_spatial. `latent_shape(height, width)` returns (C, F, h, w) with the adapter's
-  `num_frames`, so the sampler draws video noise without knowing about frames (kernels, log-probs and the rollout
-  tree are shape-agnostic; a log-prob is the mean over every latent dim, frames included).
+- Latents are 5-D [B, C, F, h, w] (`video.VideoAdapter`): F = (num_frames - 1) // scale_factor_temporal + 1 latent
+  frames (81 frames -> 21), h, w = pixels // scale_factor_spatial.
 - Text: UMT5 last hidden states of the real tokens, zero-padded to `max_sequence_length` (512); the transformer
   gets no mask and attends to the zero rows, so cached rows keep the full padded length.
 - Time: the transformer is conditioned on t = 1000 sigma and predicts the flow velocity (noise - data).
@@ -17,8 +15,7 @@ What WanPipeline does, and where it lives here:
   (Euler / SDE) replace UniPC's multistep update; only the grid is shared.
 - Decode: latents * std + mean per channel, then the VAE, which decodes one latent frame at a time with its causal
   cache (temporal chunks: memory does not grow with the frame count); `vae_tiling=True` also decodes in spatial
-  tiles, and the VAE's slicing decodes one video at a time. Videos come back as [B, F, 3, H, W] in [0, 1] (the
-  pipeline's "pt" output).
+  tiles, and the VAE's slicing decodes one video at a time. Videos come back as [B, F, 3, H, W] in [0, 1].
 
 Wan 2.2 pipelines (two experts with `boundary_ratio`, or TI2V's per-token timesteps) are refused here, not
 silently mis-sampled: they are family "wan2.2" (`wan22.Wan22Adapter`).
@@ -32,7 +29,7 @@ import torch
 from torch import Tensor
 
 from . import tiny_parts
-from .base import Adapter
+from .video import VideoAdapter
 
 # The published transformer configs (Wan-AI/Wan2.1-T2V-{1.3B,14B}-Diffusers, transformer/config.json), as specs:
 # `WanTransformer3DModel(**WAN_SPECS[name])` builds the architecture (on the meta device: no memory).
@@ -49,31 +46,19 @@ WAN_SPECS: dict[str, dict[str, Any]] = {
 DEFAULT_FLOW_SHIFT = {480: 3.0, 720: 5.0}  # the Wan 2.1 recipes' flow_shift by output height
 
 
-class WanAdapter(Adapter):
+class WanAdapter(VideoAdapter):
     family = "wan"
-    prediction = "velocity"
     pipeline_class = "WanPipeline"
-    denoiser_name = "transformer"
     # self- (attn1) and cross-attention (attn2) projections of every block: blocks.N.attn{1,2}.{to_q,...}
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     default_max_sequence_length = 512  # WanPipeline's
     block_names = ("blocks",)
-    latent_ndim = 5
     default_num_frames = 81  # Wan 2.1's 5 s at 16 fps
-    tiny_num_frames = 5
+    spatial_scale_key, temporal_scale_key = "scale_factor_spatial", "scale_factor_temporal"
 
-    options = (*Adapter.options, "num_frames", "vae_tiling")
-
-    def __init__(self, pipe: Any, *, num_frames: int | None = None, vae_tiling: bool = False, **kw: Any):
+    def __init__(self, pipe: Any, **kw: Any):
         self._check_pipeline(pipe)
         super().__init__(pipe, **kw)
-        self.num_frames = int(num_frames or self.default_num_frames)
-        if problem := self.frames_problem(self.num_frames):
-            raise ValueError(problem)
-        self.vae.enable_slicing()  # one video at a time through the VAE
-        if vae_tiling:
-            self.vae.enable_tiling()
-        self.vae_tiling = bool(vae_tiling)
 
     @classmethod
     def _check_pipeline(cls, pipe: Any) -> None:
@@ -82,53 +67,10 @@ class WanAdapter(Adapter):
         if pipe.config.get("expand_timesteps"):
             raise ValueError("wan: per-token timesteps (Wan 2.2 TI2V, expand_timesteps): use family 'wan2.2'")
 
-    @classmethod
-    def tiny(cls, seed: int = 0, dtype: torch.dtype = torch.float32, device: Any = "cpu", **kw: Any) -> "Adapter":
-        kw.setdefault("num_frames", cls.tiny_num_frames)
-        return super().tiny(seed=seed, dtype=dtype, device=device, **kw)
-
-    # ---- geometry ------------------------------------------------------------------------------
-
-    @property
-    def temporal_scale(self) -> int:
-        return int(self.vae.config.scale_factor_temporal)
-
-    def frames_problem(self, num_frames: int) -> Optional[str]:
-        k = self.temporal_scale
-        if num_frames < 1 or (num_frames - 1) % k:
-            return f"wan: num_frames must be 1 + a multiple of {k} (e.g. {4 * k + 1}, 81), got {num_frames}"
-        return None
-
-    def latent_frames(self, num_frames: int | None = None) -> int:
-        return (int(num_frames or self.num_frames) - 1) // self.temporal_scale + 1
-
-    def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
-        """Video latent (C, F, h, w) for `num_frames` (default: the adapter's) of height x width pixels."""
-        frames = int(num_frames or self.num_frames)
-        problem = self.frames_problem(frames) or self.resolution_problem(
-            height, width, self.denoiser.config, self.vae.config
-        )
-        if problem:
-            raise ValueError(problem)
-        s = self.vae_scale_factor
-        return (self._latent_channels(), self.latent_frames(frames), height // s, width // s)
-
-    def image_seq_len(self, height: int, width: int) -> int:
-        """Video tokens the transformer sees: latent frames x (h / 2) x (w / 2)."""
-        c, f, h, w = self.latent_shape(height, width)
-        pt, ph, pw = self.denoiser.config.patch_size
-        return (f // pt) * (h // ph) * (w // pw)
+    # ---- geometry (frames, latent shape, tokens: video.VideoAdapter) ----------------------------
 
     def _latent_channels(self) -> int:
         return int(self.vae.config.z_dim)
-
-    @classmethod
-    def vae_scale_of(cls, vae_config: Any) -> int:
-        return int(vae_config["scale_factor_spatial"])
-
-    @classmethod
-    def patch_of(cls, denoiser_config: Any) -> int:
-        return int(denoiser_config["patch_size"][1])
 
     @classmethod
     def resolution_problem(cls, height: int, width: int, denoiser_config: Any, vae_config: Any) -> Optional[str]:
@@ -171,14 +113,12 @@ class WanAdapter(Adapter):
 
     # ---- video ---------------------------------------------------------------------------------
 
-    def _decode(self, latents: Tensor) -> Tensor:
-        """[B, C, F, h, w] -> frames [B, F', 3, H, W] in [0, 1] (F' = the pixel frame count)."""
-        cfg, vae = self.vae.config, self.vae
-        z = latents.to(device=_device(vae), dtype=vae.dtype)
+    def _unscale(self, z: Tensor) -> Tensor:
+        """latents * std + mean per channel (the pipeline's)."""
+        cfg = self.vae.config
         mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
         inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
-        video = vae.decode(z / inv_std + mean, return_dict=False)[0]  # [B, 3, F', H, W] in [-1, 1]
-        return (video.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4).contiguous()
+        return z / inv_std + mean
 
     # ---- construction --------------------------------------------------------------------------
 
@@ -217,7 +157,3 @@ class WanAdapter(Adapter):
         return WanPipeline(
             tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=sched, transformer=transformer
         )
-
-
-def _device(module: torch.nn.Module) -> torch.device:
-    return next(module.parameters()).device

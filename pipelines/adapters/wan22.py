@@ -46,6 +46,7 @@ from torch import Tensor
 
 from .base import Adapter
 from .embeds import PromptEmbeds
+from .export import write_lora
 from .wan import _COMMON, WanAdapter
 
 EXPERTS = {"high": "transformer", "low": "transformer_2"}  # expert -> WanPipeline component
@@ -219,20 +220,14 @@ class Wan22Adapter(WanAdapter):
         """Each trained expert's LoRA under the `transformer.*` keys diffusers' Wan saver writes (it has no
         transformer_2 argument): the low-noise expert's file (`path`, or `path/transformer_2` when both train)
         loads with `load_lora_weights(folder, load_into_transformer_2=True)`. `state`: gathered from a sharded run."""
-        from peft.utils import get_peft_model_state_dict
-
         both = self.denoiser_name == "experts"
         for name in self._each_expert():
             sub = state if state is None or not both else _sub_state(state, name)
             with self._as_denoiser(name):
                 if adapter_name not in getattr(self.denoiser, "peft_config", {}):
                     raise ValueError(f"no LoRA adapter '{adapter_name}' on the {self.family} {name}")
-                layers = get_peft_model_state_dict(self.denoiser, state_dict=sub, adapter_name=adapter_name)
-                self._pipeline_cls().save_lora_weights(
-                    self._expert_folder(path, name, both),
-                    transformer_lora_layers={k: v.detach().to("cpu").contiguous() for k, v in layers.items()},
-                    transformer_lora_adapter_metadata=self.denoiser.peft_config[adapter_name].to_dict(),
-                )
+                folder = self._expert_folder(path, name, both)
+                write_lora(self._lora_writer(), self.denoiser, folder, adapter_name, "transformer", sub)
         return os.fspath(path)
 
     def load_lora(

@@ -5,6 +5,9 @@ import torch
 from adapter_variants import VARIANTS
 
 from pipelines.adapters import ADAPTERS, Adapter, FluxAdapter, PromptEmbeds, build_adapter
+from pipelines.adapters.embeds import real_tokens, stack_rows
+from pipelines.plans import build_plan
+from pipelines.sampler import Sampler, SamplerConfig
 
 FAMILIES = ["sd3", "flux-dev", "sd15", "qwenimage"]  # one per family for the slower LoRA / grad / dtype tests
 PROMPTS = ["a red cat", "a blue dog"]
@@ -23,7 +26,9 @@ def inputs(a: Adapter, b: int = 2):
 
 
 def uncond_as_cond(e: PromptEmbeds) -> PromptEmbeds:
-    return PromptEmbeds(cond=e.uncond, pooled=e.uncond_pooled, mask=e.uncond_mask)
+    return PromptEmbeds(
+        cond=e.uncond, pooled=e.uncond_pooled, mask=e.uncond_mask, cond2=e.uncond2, mask2=e.uncond_mask2
+    )
 
 
 def none_guidance(a: Adapter) -> float:
@@ -118,6 +123,41 @@ def test_prompt_embeds_index_and_to(adapter):
     assert len(picked) == 3 and torch.equal(picked.uncond[2], e.uncond[1])
     half = e.to(dtype=torch.bfloat16)
     assert half.cond.dtype == torch.bfloat16 and (half.pooled is None or half.pooled.dtype == torch.bfloat16)
+
+
+def test_second_token_stream_is_cached_batched_padded_and_paired_as_the_first():
+    """A second masked stream (HunyuanVideo 1.5's byT5 tokens) in rows of different lengths: each stream keeps its
+    real tokens, is padded to its own longest (mask 0), indexed, cast and paired [uncond; cond] for CFG."""
+
+    def row(n: int, n2: int, fill: float) -> dict:  # one encoder pass of 1 prompt, padded to 5 / 4 tokens
+        mask, mask2 = torch.arange(5)[None] < n, torch.arange(4)[None] < n2
+        return {"embeds": torch.full((1, 5, 3), fill), "mask": mask, "embeds2": torch.full((1, 4, 2), -fill),
+                "mask2": mask2.float(), "pooled": torch.full((1, 6), fill)}  # fmt: skip
+
+    a, b, neg = (real_tokens(row(*r), 0) for r in ((2, 3, 1.0), (4, 0, 2.0), (1, 1, 3.0)))
+    assert a["embeds"].shape == (1, 2, 3) and a["embeds2"].shape == (1, 3, 2) and b["embeds2"].shape == (1, 0, 2)
+    e = PromptEmbeds.from_rows(stack_rows([a, b]), stack_rows([neg, neg]))
+    assert e.cond.shape == (2, 4, 3) and e.cond2.shape == (2, 3, 2) and e.uncond2.shape == (2, 1, 2)
+    assert e.mask2.tolist() == [[1, 1, 1], [0, 0, 0]] and e.cond2[1].abs().sum() == 0 and e.pooled.shape == (2, 6)
+    pair = e.cfg_pair()
+    assert pair["embeds2"].shape == (4, 3, 2) and pair["mask2"].tolist() == [[1, 0, 0]] * 2 + [[1, 1, 1], [0, 0, 0]]
+    torch.testing.assert_close(pair["embeds2"][2:], e.cond2)
+    assert torch.equal(pair["embeds2"][:2, :1], e.uncond2) and pair["embeds2"][:2, 1:].abs().sum() == 0
+    assert e.conditional()["embeds2"] is e.cond2 and e.unconditional()["mask2"] is e.uncond_mask2
+    one = e.index([1]).to(dtype=torch.bfloat16)
+    assert one.cond2.dtype == one.mask2.dtype == torch.bfloat16 and one.mask.dtype == torch.bool  # masks: floats only
+    assert "embeds2" not in PromptEmbeds(cond=e.cond, uncond=e.cond).cfg_pair()  # one-stream families see no key
+
+
+def test_lora_writer_names_the_diffusers_class_that_writes_the_file():
+    import diffusers
+    from diffusers.loaders import HunyuanVideoLoraLoaderMixin
+
+    from pipelines.adapters import HunyuanVideo15Adapter, SD3Adapter
+
+    assert SD3Adapter._lora_writer() is diffusers.StableDiffusion3Pipeline  # default: the pipeline class's own
+    assert not hasattr(diffusers.HunyuanVideo15Pipeline, "save_lora_weights")  # diffusers 0.42 has none for 1.5
+    assert HunyuanVideo15Adapter._lora_writer() is HunyuanVideoLoraLoaderMixin
 
 
 @pytest.mark.parametrize("mode", ["full", "detach_uncond", "none"])
@@ -303,3 +343,90 @@ def test_bad_inputs_are_named():
         build_adapter("sd3")
     with pytest.raises(ValueError, match="exactly one"):
         build_adapter("sd3", pretrained="x/y", tiny=True)
+
+
+# ---- video families (5-D latents [B, C, F, h, w]): what they share, checked once for each ------------------------
+
+VIDEO = ["wan", "hunyuan_video", "hunyuan_video15"]
+VIDEO_PROMPT = 'a sign that says "hi"'  # quoted text: HunyuanVideo 1.5's second (byT5) token stream is used
+RESCORE_CASES = [("flow_sde", {"a": 0.7}, "full_sde", 2), ("dance_sde", {"eta": 0.3}, "full_sde", 2),
+                 ("cps", {"a": 0.7}, "full_sde", 2), ("flow_sde", {"a": 0.7}, "tree", 4)]  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=VIDEO)
+def video(request) -> Adapter:
+    return build_adapter(request.param, tiny=True)
+
+
+@pytest.mark.parametrize(
+    "kernel,settings,plan_name,group", RESCORE_CASES, ids=[f"{c[0]}-{c[2]}" for c in RESCORE_CASES]
+)
+def test_video_rescore_gives_ratio_one(video, kernel, settings, plan_name, group):
+    config = SamplerConfig(num_steps=4, sde_kernel={"name": kernel, **settings}, cfg_mode="full", guidance_scale=4.0,
+                           keep_means=True)  # fmt: skip
+    plan = build_plan(plan_name, 4, **({"split_steps": (0, 2)} if plan_name == "tree" else {}))
+    tree = Sampler(config).run(video, [VIDEO_PROMPT], plan, group, torch.Generator().manual_seed(0))
+    assert tree.states.shape[1:] == video.latent_shape(config.height, config.width)
+    edges = tree.trained_edges()
+    out = Sampler(config).rescore(video, tree, edges, [VIDEO_PROMPT])  # the first training pass: detach_uncond, grad
+    assert edges.numel() > 0
+    assert torch.allclose(out.logp, tree.edge_logp[edges], atol=1e-5, rtol=0)
+    assert torch.allclose(out.mean, tree.edge_mean[edges], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("video_family", VIDEO)
+def test_video_lora_file_loads_in_diffusers_and_changes_its_output(video_family, tmp_path):
+    a = build_adapter(video_family, tiny=True)
+    params = a.add_lora(rank=4, alpha=8)
+    with torch.no_grad():
+        for p in params:
+            p.add_(0.05 * torch.randn_like(p))
+    a.save_lora(tmp_path / "lora")
+    x, e = torch.randn(1, *a.latent_shape(32, 32)), a.encode_prompts([VIDEO_PROMPT])
+    fresh = build_adapter(video_family, tiny=True)
+    with torch.no_grad():
+        mine, before = a.model_output(x, 0.6, e, 6.0, "none"), fresh.model_output(x, 0.6, e, 6.0, "none")
+        if hasattr(fresh.pipe, "load_lora_weights"):
+            fresh.pipe.load_lora_weights(tmp_path / "lora")  # diffusers' own loader of the family's pipeline
+        else:  # HunyuanVideo15Pipeline has none (diffusers 0.42): its transformer's
+            fresh.denoiser.load_lora_adapter(tmp_path / "lora", prefix="transformer", use_safetensors=True)
+        after = fresh.model_output(x, 0.6, e, 6.0, "none")
+    assert not torch.allclose(before, after, atol=1e-4)
+    torch.testing.assert_close(after, mine, atol=1e-5, rtol=1e-5)  # alpha / rank survived in the metadata
+
+
+@pytest.mark.parametrize("video_family", VIDEO)
+def test_video_detached_uncond_gradient_is_the_cond_branch_s(video_family):
+    """Flow-GRPO's training forward ("detach_uncond", scale w) gives the LoRA w x the cond branch's gradient."""
+    a = build_adapter(video_family, tiny=True)
+    params = a.add_lora(rank=4)
+    with torch.no_grad():
+        for p in params:  # B = 0 at init: make the LoRA count
+            p.add_(0.05 * torch.randn_like(p))
+    x, s = torch.randn(2, *a.latent_shape(32, 32)), torch.tensor([0.3, 0.8])
+    e = a.encode_prompts([VIDEO_PROMPT, "a blue dog"])
+    embedded = getattr(a, "embedded_guidance", 0.0)  # HunyuanVideo: what the CFG modes feed its guidance embedding
+    r = torch.randn_like(x)
+    g_det = torch.autograd.grad((a.model_output(x, s, e, 3.0, "detach_uncond") * r).sum(), params, allow_unused=True)
+    g_cond = torch.autograd.grad((3.0 * a.model_output(x, s, e, embedded, "none") * r).sum(), params, allow_unused=True)
+    used = [i for i, g in enumerate(g_cond) if g is not None]
+    assert len(used) > len(params) // 2
+    for i in used:
+        torch.testing.assert_close(g_det[i], g_cond[i], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("video_family,share", [("wan", 0.8), ("hunyuan_video", 0.8), ("hunyuan_video15", 0.7)])
+def test_video_full_finetune_reaches_the_weights_and_its_folder_loads_back(video_family, share, tmp_path):
+    """A full fine-tune (DanceGRPO's HunyuanVideo recipe): (nearly) every denoiser weight gets a gradient through the
+    5-D CFG forward; `save_denoiser` writes a folder the model class loads back."""
+    a = build_adapter(video_family, tiny=True)
+    x, e = torch.randn(1, *a.latent_shape(32, 32)), a.encode_prompts([VIDEO_PROMPT])
+    a.denoiser.requires_grad_(True)
+    a.model_output(x, 0.5, e, 4.0, "detach_uncond").square().mean().backward()
+    grads = [p.grad for p in a.denoiser.parameters()]
+    assert sum(g is not None and bool(g.abs().sum() > 0) for g in grads) > share * len(grads)
+    with torch.no_grad():
+        a.denoiser.proj_out.weight.add_(0.01)
+    a.save_denoiser(tmp_path / "ft")
+    loaded = type(a.denoiser).from_pretrained(tmp_path / "ft")
+    assert torch.equal(loaded.proj_out.weight, a.denoiser.proj_out.weight)

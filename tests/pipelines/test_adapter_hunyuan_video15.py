@@ -1,14 +1,13 @@
 """HunyuanVideo 1.5 adapter: HunyuanVideo15Pipeline's own loop reproduced (chat template + crop, byT5 glyph stream,
-the guider's CFG, zero condition channels and vision tokens, the shifted grid, decode to frames), CFG modes, on-policy
-ratio 1 for every flow kernel, LoRA (diffusers-format file, diffusers' model loader), a full fine-tune saved,
-from_pretrained, the published specs."""
+the guider's CFG, zero condition channels and vision tokens, the shifted grid, decode to frames), CFG modes,
+from_pretrained, the published specs. On-policy ratio 1, the detached-uncond gradient, the LoRA file (diffusers' model
+loader) and a full fine-tune's folder: test_adapter_contract.py (every video family)."""
 
 import pytest
 import torch
 
 from pipelines.adapters import HunyuanVideo15Adapter, build_adapter
 from pipelines.adapters.hunyuan_video15 import HUNYUAN_VIDEO15_SPECS, TINY_CROP_START, TINY_SYSTEM_MESSAGE
-from pipelines.plans import build_plan
 from pipelines.sampler import Sampler, SamplerConfig
 
 PROMPT = 'a sign that says "hi"'  # quoted text: the byT5 glyph stream is used
@@ -30,8 +29,10 @@ def test_geometry_prompts_and_refusals(base):
     ids = base.pipe.tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=True)
     assert base.pipe.tokenizer.decode(ids["input_ids"][0][TINY_CROP_START]) == "X"  # the crop keeps the user turn on
     e = base.encode_prompts([PROMPT, "a cat"])
-    glyph_mask = e.pooled[:, -8:]  # byT5 rows ride in `pooled`: 8 tiny glyph tokens x 16, then their mask
-    assert e.pooled.shape == (2, 8 * 16 + 8) and glyph_mask[0].sum() > 0 and glyph_mask[1].sum() == 0
+    # byT5 rows are the second token stream: real glyph tokens only (of the tiny 8, x 16), padded per batch
+    n = int(e.mask2[0].sum())
+    assert e.pooled is None and 0 < n <= 8 and e.cond2.shape == (2, n, 16) and e.mask2[1].sum() == 0
+    assert e.uncond2.shape[1] == e.uncond_mask2.sum() == 0  # the empty negative prompt has no quoted text
     assert base.vae.use_slicing and base.vae.use_tiling
     with pytest.raises(ValueError, match="do not apply"):
         HunyuanVideo15Adapter(base.pipe, embedded_guidance=6.0)
@@ -83,24 +84,7 @@ def test_model_output_and_decode_reproduce_the_pipeline(base, guidance):
     assert video.std() > 0.01
 
 
-CASES = [("flow_sde", {"a": 0.7}, "full_sde", 2), ("dance_sde", {"eta": 0.3}, "full_sde", 2),
-         ("cps", {"a": 0.7}, "full_sde", 2), ("flow_sde", {"a": 0.7}, "tree", 4)]  # fmt: skip
-
-
-@pytest.mark.parametrize("kernel,settings,plan_name,group", CASES, ids=[f"{c[0]}-{c[2]}" for c in CASES])
-def test_rescore_gives_ratio_one(base, kernel, settings, plan_name, group):
-    sampler = Sampler(SamplerConfig(num_steps=4, sde_kernel={"name": kernel, **settings}, cfg_mode="full",
-                                    guidance_scale=6.0, keep_means=True))  # fmt: skip
-    plan = build_plan(plan_name, 4, **({"split_steps": (0, 2)} if plan_name == "tree" else {}))
-    tree = sampler.run(base, [PROMPT], plan, group, torch.Generator().manual_seed(0))
-    edges = tree.trained_edges()
-    out = sampler.rescore(base, tree, edges, [PROMPT])
-    assert edges.numel() > 0
-    assert torch.allclose(out.logp, tree.edge_logp[edges], atol=1e-5, rtol=0)
-    assert torch.allclose(out.mean, tree.edge_mean[edges], atol=1e-5, rtol=0)
-
-
-def test_lora_cfg_modes_and_saved_file_loads_in_diffusers(tmp_path):
+def test_lora_and_cfg_modes():
     a = build_adapter("hunyuan_video15", tiny=True)
     params = a.add_lora(rank=4, alpha=8)
     names = [n for n, p in a.denoiser.named_parameters() if p.requires_grad]
@@ -118,23 +102,9 @@ def test_lora_cfg_modes_and_saved_file_loads_in_diffusers(tmp_path):
             ref = a.model_output(x, s, e, 3.0, "full")
     assert torch.equal(full, det) and not torch.allclose(full, ref, atol=1e-4)
     torch.testing.assert_close(alone, cond[1:], atol=2e-5, rtol=1e-5)  # padding is masked out
-    r = torch.randn_like(x)
-    g_det = torch.autograd.grad((a.model_output(x, s, e, 3.0, "detach_uncond") * r).sum(), params, allow_unused=True)
-    g_cond = torch.autograd.grad((3.0 * a.model_output(x, s, e, 0.0, "none") * r).sum(), params, allow_unused=True)
-    used = [i for i, g in enumerate(g_cond) if g is not None]
-    assert len(used) > len(params) // 2
-    for i in used:
-        torch.testing.assert_close(g_det[i], g_cond[i], atol=1e-5, rtol=1e-4)
-    a.save_lora(tmp_path / "lora")
-    fresh = build_adapter("hunyuan_video15", tiny=True)
-    with torch.no_grad():
-        fresh.denoiser.load_lora_adapter(tmp_path / "lora", prefix="transformer", use_safetensors=True)
-        torch.testing.assert_close(fresh.model_output(x, s, e, 0.0, "none"), cond, atol=1e-5, rtol=1e-5)
 
 
-def test_from_pretrained_and_full_finetune_folder(tmp_path):
-    from diffusers import HunyuanVideo15Transformer3DModel
-
+def test_from_pretrained(tmp_path):
     a = build_adapter("hunyuan_video15", tiny=True)
     a.pipe.save_pretrained(tmp_path / "pipe")
     b = build_adapter("hunyuan_video15", pretrained=tmp_path / "pipe", num_frames=9)
@@ -146,12 +116,3 @@ def test_from_pretrained_and_full_finetune_folder(tmp_path):
     x = torch.randn(1, *a.latent_shape(32, 32))
     with torch.no_grad():
         torch.testing.assert_close(a.model_output(x, 0.5, e, 0.0, "none"), b.model_output(x, 0.5, e, 0.0, "none"))
-    b.denoiser.requires_grad_(True)
-    b.model_output(x, 0.5, e, 4.0, "detach_uncond").square().mean().backward()
-    grads = [p.grad for p in b.denoiser.parameters()]
-    assert sum(g is not None and bool(g.abs().sum() > 0) for g in grads) > 0.7 * len(grads)
-    with torch.no_grad():
-        b.denoiser.proj_out.weight.add_(0.01)
-    b.save_denoiser(tmp_path / "ft")
-    loaded = HunyuanVideo15Transformer3DModel.from_pretrained(tmp_path / "ft")
-    assert torch.equal(loaded.proj_out.weight, b.denoiser.proj_out.weight)

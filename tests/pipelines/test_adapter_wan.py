@@ -1,13 +1,13 @@
 """Wan 2.1 T2V adapter: WanPipeline's own loop reproduced on 5-D video latents (grid, CFG, decode to frames), the
-published scheduler's grid, CFG modes, on-policy ratio 1 for every flow kernel (full-SDE and a tree), LoRA in
-diffusers' loader, a full fine-tune saved as a model folder, from_pretrained, and the published specs' sizes."""
+published scheduler's grid, CFG modes, from_pretrained, and the published specs' sizes. On-policy ratio 1, the
+detached-uncond gradient, LoRA in diffusers' loader and a full fine-tune's folder: test_adapter_contract.py (every
+video family)."""
 
 import pytest
 import torch
 
 from pipelines.adapters import PromptEmbeds, WanAdapter, build_adapter
 from pipelines.adapters.wan import WAN_SPECS
-from pipelines.plans import build_plan
 from pipelines.sampler import Sampler, SamplerConfig
 
 PROMPT = "a red cat"
@@ -82,7 +82,7 @@ def test_model_output_and_decode_reproduce_the_pipeline():
     assert video.std() > 0.01  # frames are not blank
 
 
-def test_cfg_modes_and_detached_uncond_gradient(base):
+def test_cfg_modes(base):
     a = build_adapter("wan", tiny=True)
     params = a.add_lora(rank=4)
     names = [n for n, p in a.denoiser.named_parameters() if p.requires_grad]
@@ -101,56 +101,9 @@ def test_cfg_modes_and_detached_uncond_gradient(base):
     assert full.shape == x.shape and torch.equal(full, det) and not torch.allclose(full, cond, atol=1e-4)
     assert not torch.allclose(full, ref, atol=1e-4)  # the reference is the base model
     torch.testing.assert_close(full, uncond + 3.0 * (cond - uncond), atol=5e-5, rtol=1e-5)
-    r = torch.randn_like(x)
-    g_det = torch.autograd.grad((a.model_output(x, s, e, 3.0, "detach_uncond") * r).sum(), params, allow_unused=True)
-    g_cond = torch.autograd.grad((3.0 * a.model_output(x, s, e, 0.0, "none") * r).sum(), params, allow_unused=True)
-    used = [i for i, g in enumerate(g_cond) if g is not None]
-    assert len(used) > len(params) // 2
-    for i in used:
-        torch.testing.assert_close(g_det[i], g_cond[i], atol=1e-5, rtol=1e-4)
 
 
-CASES = [("flow_sde", {"a": 0.7}, "full_sde", 2), ("dance_sde", {"eta": 0.3}, "full_sde", 2),
-         ("cps", {"a": 0.7}, "full_sde", 2), ("flow_sde", {"a": 0.7}, "tree", 4)]  # fmt: skip
-
-
-@pytest.mark.parametrize("kernel,settings,plan_name,group", CASES, ids=[f"{c[0]}-{c[2]}" for c in CASES])
-def test_rescore_gives_ratio_one(base, kernel, settings, plan_name, group):
-    sampler = Sampler(SamplerConfig(num_steps=4, sde_kernel={"name": kernel, **settings}, cfg_mode="full",
-                                    guidance_scale=4.0, keep_means=True))  # fmt: skip
-    plan = build_plan(plan_name, 4, **({"split_steps": (0, 2)} if plan_name == "tree" else {}))
-    tree = sampler.run(base, [PROMPT], plan, group, torch.Generator().manual_seed(0))
-    assert tree.states.shape[1:] == (4, 3, 8, 8)
-    edges = tree.trained_edges()
-    out = sampler.rescore(base, tree, edges, [PROMPT])  # the first training pass: detach_uncond, with grad
-    assert edges.numel() > 0
-    assert torch.allclose(out.logp, tree.edge_logp[edges], atol=1e-5, rtol=0)
-    assert torch.allclose(out.mean, tree.edge_mean[edges], atol=1e-5, rtol=0)
-
-
-def test_lora_saved_loads_in_wan_pipeline_and_changes_its_output(tmp_path):
-    from diffusers import WanPipeline
-
-    a = build_adapter("wan", tiny=True)
-    params = a.add_lora(rank=4, alpha=8)
-    with torch.no_grad():
-        for p in params:
-            p.add_(0.05 * torch.randn_like(p))
-    a.save_lora(tmp_path / "lora")
-    x, e = torch.randn(1, *a.latent_shape(32, 32)), a.encode_prompts([PROMPT])
-    fresh = build_adapter("wan", tiny=True)
-    with torch.no_grad():
-        mine, before = a.model_output(x, 0.6, e, 0.0, "none"), fresh.model_output(x, 0.6, e, 0.0, "none")
-        assert isinstance(fresh.pipe, WanPipeline)
-        fresh.pipe.load_lora_weights(tmp_path / "lora")  # diffusers' own Wan LoRA loader
-        after = fresh.model_output(x, 0.6, e, 0.0, "none")
-    assert not torch.allclose(before, after, atol=1e-4)
-    torch.testing.assert_close(after, mine, atol=1e-5, rtol=1e-5)  # alpha / rank survived in the metadata
-
-
-def test_from_pretrained_and_full_finetune_folder(tmp_path):
-    from diffusers import WanTransformer3DModel
-
+def test_from_pretrained(tmp_path):
     a = build_adapter("wan", tiny=True)
     a.pipe.save_pretrained(tmp_path / "pipe")
     b = build_adapter("wan", pretrained=tmp_path / "pipe", max_sequence_length=16, num_frames=9)
@@ -160,14 +113,3 @@ def test_from_pretrained_and_full_finetune_folder(tmp_path):
     x = torch.randn(1, *a.latent_shape(32, 32))
     with torch.no_grad():
         torch.testing.assert_close(a.model_output(x, 0.5, ea, 0.0, "none"), b.model_output(x, 0.5, eb, 0.0, "none"))
-    # full fine-tune: every denoiser weight gets a gradient through the 5-D CFG forward; the folder loads back
-    b.denoiser.requires_grad_(True)
-    loss = b.model_output(x, 0.5, eb, 4.0, "detach_uncond").square().mean()
-    loss.backward()
-    grads = [p.grad for p in b.denoiser.parameters()]
-    assert sum(g is not None and bool(g.abs().sum() > 0) for g in grads) > 0.8 * len(grads)
-    with torch.no_grad():
-        b.denoiser.proj_out.weight.add_(0.01)
-    b.save_denoiser(tmp_path / "ft")
-    loaded = WanTransformer3DModel.from_pretrained(tmp_path / "ft")
-    assert torch.equal(loaded.proj_out.weight, b.denoiser.proj_out.weight)
