@@ -3,12 +3,18 @@
 A pair (chosen w, rejected l) of clean latents of one prompt shares a training time sigma and a noise eps:
     x_t = (1 - sigma) x0 + sigma eps,      err(v, x0) = mean_dims (v(x_t, sigma) - (eps - x0))^2   (float32)
     inside = -beta / 2 * ((err_w(theta) - err_w(ref)) - (err_l(theta) - err_l(ref)))
-    L = mean_terms -log sigmoid(inside)                  (implicit accuracy: inside > 0)
+    L = mean_terms [-log sigmoid(inside) + sft_coef * err_w(theta)]      (implicit accuracy: inside > 0)
 The reference is the base model (LoRA disabled; a frozen copy when fully fine-tuned), the conditional velocity
 without CFG (rollouts may use CFG, as flow_grpo's). One term = one pair at one (sigma, eps): 2 rows with gradient,
 2 without. sigma: logit-normal u = sigmoid(N(logit_mean, logit_std)) (or uniform u), sigma = s (1 - u) /
 (1 + (s - 1)(1 - u)) with s = time_shift (the SD3 training scheduler's shift that flow_grpo's index into
 `noise_scheduler.timesteps` applies), floored at 1e-3 (its 1000-step grid).
+
+sft_coef (default 0: the published Diffusion-DPO) adds the chosen image's own denoising loss, the diffusion form of
+RPO's NLL term on the chosen response (Pang et al. 2024, "Iterative Reasoning Preference Optimization",
+arXiv 2404.19733, L_DPO+NLL). Without it, offline pairs far from the policy's samples are "preferred" by raising
+the policy's error on both images, the rejected one faster (likelihood displacement): the implicit accuracy reaches
+1 while the policy moves toward neither (docs/benchmarks.md, issue 28); the term keeps the chosen error falling.
 
 Pairs. Online (`dpo.data` unset): from each group's rewards (weighted scalar; NaN never paired):
   best_worst: the best and the worst sample of the group (ties: the earlier); a group whose rewards are all
@@ -63,15 +69,22 @@ class DPOConfig(StrictModel):
     sample_with: Literal["policy", "reference"] = "policy"  # flow_grpo: reference; Flow-Factory: policy
     data: Optional[str] = None  # offline preference pairs (.jsonl); unset: online pairs from the rollout
     pairs_per_iteration: int = Field(8, ge=1)  # offline: dataset pairs per iteration (all ranks)
+    sft_coef: float = Field(0.0, ge=0)  # RPO's supervised term on the chosen side: + sft_coef * err_w(theta)
 
 
 # --- the formulas --------------------------------------------------------------------------------
 
 
-def dpo_loss(err_w: Tensor, err_l: Tensor, ref_w: Tensor, ref_l: Tensor, beta: float) -> tuple[Tensor, Tensor]:
-    """Per-pair loss -log sigmoid(inside) [B] and inside [B] (the reference errors carry no gradient)."""
+def dpo_loss(
+    err_w: Tensor, err_l: Tensor, ref_w: Tensor, ref_l: Tensor, beta: float, sft_coef: float = 0.0
+) -> tuple[Tensor, Tensor]:
+    """Per-pair loss -log sigmoid(inside) + sft_coef * err_w [B] and inside [B] (the reference errors carry no
+    gradient; sft_coef > 0: RPO's supervised term on the chosen side)."""
     inside = -0.5 * beta * ((err_w - ref_w.detach()) - (err_l - ref_l.detach()))
-    return -F.logsigmoid(inside), inside.detach()
+    loss = -F.logsigmoid(inside)
+    if sft_coef:
+        loss = loss + sft_coef * err_w
+    return loss, inside.detach()
 
 
 def velocity_error(v: Tensor, eps: Tensor, x0: Tensor) -> Tensor:
@@ -239,7 +252,7 @@ class DiffusionDPOMethod(ImageMethod):
             counters.nfe_grad += 2 * B
             counters.nfe_nograd += 2 * B
             err, ref_err = velocity_error(v, eps, x0), velocity_error(v_ref, eps, x0)
-            per, inside = dpo_loss(err[:B], err[B:], ref_err[:B], ref_err[B:], s.beta)
+            per, inside = dpo_loss(err[:B], err[B:], ref_err[:B], ref_err[B:], s.beta, s.sft_coef)
             loss = per.sum() * scale / norm
             metrics = {
                 "loss/policy": float(loss.detach()),  # this micro-batch's share: the step's loss sums them

@@ -28,8 +28,9 @@ CASES = {
     # margin 0: every ordered pair of distinct rewards, 2 x 28 = 56 pairs x 1 time, 2 rows each with grad and
     # 2 without (the reference); 56 pairs in micro-batches of 48: 2 backward passes
     "diffusion_dpo_online": (("group_size=8", "dpo.pairs=margin", "dpo.timesteps=1"), 96 + 112, 112, 2, 2),
-    # 8 dataset pairs x 2 times, 2 + 2 rows each; the rollout is 2 prompts x 2 samples x 6 steps
-    "diffusion_dpo_offline": ((), 24 + 32, 32, 2, 2),
+    # 8 dataset pairs in 4 mini-batches (2 pairs each) x 2 times = 8 backward passes, 2 + 2 rows each; the rollout
+    # is 2 prompts x 2 samples x 6 steps
+    "diffusion_dpo_offline": ((), 24 + 32, 32, 8, 2),
 }
 
 

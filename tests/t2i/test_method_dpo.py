@@ -34,7 +34,7 @@ def test_dpo_loss_matches_a_float64_rederivation():
         rw, rl = mse(v_ref[w], eps[w], x0[w]), mse(v_ref[lo], eps[lo], x0[lo])
         z = -beta / 2 * ((ew - rw) - (el - rl))
         assert float(inside[k]) == pytest.approx(z, rel=1e-4, abs=1e-5)
-        assert float(per[k]) == pytest.approx(math.log1p(math.exp(-z)), rel=1e-4, abs=1e-5)
+        assert float(per[k].detach()) == pytest.approx(math.log1p(math.exp(-z)), rel=1e-4, abs=1e-5)
 
 
 def test_the_gradient_lowers_the_chosen_error_and_raises_the_rejected_one():
@@ -43,6 +43,28 @@ def test_the_gradient_lowers_the_chosen_error_and_raises_the_rejected_one():
     per.sum().backward()
     assert err.grad[0] > 0 > err.grad[1]  # descent: err_w down, err_l up
     assert float(err.grad[0]) == pytest.approx(10.0 / 2 * 0.5)  # sigmoid(0) = 1/2
+
+
+def test_the_sft_term_adds_the_chosen_error_and_its_gradient_in_float64():
+    """RPO's term (dpo.sft_coef): L = -log sigmoid(z) + c err_w, z = -beta/2 ((err_w - ref_w) - (err_l - ref_l));
+    dL/derr_w = beta/2 sigmoid(-z) + c, dL/derr_l = -beta/2 sigmoid(-z), no gradient to the reference."""
+    beta, c = 7.5, 0.3
+    e = torch.tensor([[1.3, 0.9], [1.1, 1.4]], dtype=torch.float64, requires_grad=True)  # rows: err_w, err_l
+    ref = torch.tensor([[1.2, 1.0], [1.0, 1.5]], dtype=torch.float64, requires_grad=True)
+    per, inside = dpo_loss(e[0], e[1], ref[0], ref[1], beta, sft_coef=c)
+    base, _ = dpo_loss(e[0], e[1], ref[0], ref[1], beta)
+    assert per.dtype == torch.float64
+    per.sum().backward()
+    (ews, els), (rws, rls) = e.detach().tolist(), ref.detach().tolist()
+    for k, (ew, el, rw, rl) in enumerate(zip(ews, els, rws, rls)):
+        z = -beta / 2 * ((ew - rw) - (el - rl))
+        s_neg = 1 / (1 + math.exp(z))  # sigmoid(-z)
+        assert float(inside[k]) == pytest.approx(z, rel=1e-12)
+        assert float(per[k].detach()) == pytest.approx(math.log1p(math.exp(-z)) + c * ew, rel=1e-12)
+        assert float((per[k] - base[k]).detach()) == pytest.approx(c * ew, rel=1e-12)  # sft_coef 0: the published loss
+        assert float(e.grad[0, k]) == pytest.approx(beta / 2 * s_neg + c, rel=1e-12)
+        assert float(e.grad[1, k]) == pytest.approx(-beta / 2 * s_neg, rel=1e-12)
+    assert ref.grad is None or not bool(ref.grad.any())
 
 
 def test_pairs_best_worst_and_margin():
@@ -105,3 +127,4 @@ def test_one_offline_iteration_trains_the_dataset_pairs(recipe_config):
     assert r["dpo/pairs"] == cfg.dpo.pairs_per_iteration and "dpo/reward_gap" not in r
     assert r["nfe_grad"] == 2 * 8 * cfg.dpo.timesteps
     assert r["nfe_nograd"] == r["rollout_nfe_nograd"] + 2 * 8 * cfg.dpo.timesteps
+    assert r["backward_passes"] == cfg.train.mini_batches * cfg.dpo.timesteps  # 8 pairs fit one micro-batch
