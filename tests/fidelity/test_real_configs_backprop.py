@@ -17,10 +17,9 @@ from typing import Any
 
 import pytest
 import torch
-from pydantic import BaseModel
 
-from flowgrpo.core.config import PartSpec
 from flowgrpo.t2i import load_t2i_config
+from test_real_configs import _get, _same  # one pin reader for every real-recipe table
 
 ROOT = Path(__file__).resolve().parents[2]
 REAL_DIR = ROOT / "configs" / "t2i" / "real"
@@ -128,29 +127,6 @@ ALIGNPROP = {
 }
 
 BACKPROP_PINS: dict[str, dict[str, Any]] = {"refl": REFL, "alignprop": ALIGNPROP}
-
-
-def _get(obj: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        if isinstance(obj, (list, tuple)):
-            obj = obj[int(part)]
-        elif isinstance(obj, BaseModel) and part in type(obj).model_fields:
-            obj = getattr(obj, part)
-        elif isinstance(obj, PartSpec):
-            obj = obj.settings[part]
-        elif isinstance(obj, dict):
-            obj = obj[part]
-        else:
-            raise KeyError(f"{dotted}: cannot resolve '{part}' on {type(obj).__name__}")
-    return obj
-
-
-def _same(actual: Any, expected: Any) -> bool:
-    if isinstance(expected, (list, tuple)):
-        return isinstance(actual, (list, tuple)) and list(actual) == list(expected)
-    if isinstance(expected, (bool, str)) or expected is None:
-        return actual == expected and type(actual) is type(expected)
-    return not isinstance(actual, bool) and actual == pytest.approx(expected, rel=1e-12)
 
 
 def _cfg(recipe: str):

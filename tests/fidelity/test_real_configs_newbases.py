@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pydantic import BaseModel
 
-from flowgrpo.core.config import PartSpec
 from flowgrpo.t2i import load_t2i_config
 from pipelines.plans import build_plan
+from test_real_configs import _get, _same  # one pin reader for every real-recipe table
 
 REAL_DIR = Path(__file__).resolve().parents[2] / "configs" / "t2i" / "real"
 
@@ -281,29 +280,6 @@ PINS: dict[str, dict[str, Any]] = {
         "checkpoint.every": 20,
     },
 }
-
-
-def _get(obj: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        if isinstance(obj, (list, tuple)):
-            obj = obj[int(part)]
-        elif isinstance(obj, BaseModel) and part in type(obj).model_fields:
-            obj = getattr(obj, part)
-        elif isinstance(obj, PartSpec):
-            obj = obj.settings[part]
-        elif isinstance(obj, dict):
-            obj = obj[part]
-        else:
-            raise KeyError(f"{dotted}: cannot resolve '{part}' on {type(obj).__name__}")
-    return obj
-
-
-def _same(actual: Any, expected: Any) -> bool:
-    if isinstance(expected, (list, tuple)):
-        return isinstance(actual, (list, tuple)) and list(actual) == list(expected)
-    if isinstance(expected, (bool, str)) or expected is None:
-        return actual == expected and type(actual) is type(expected)
-    return not isinstance(actual, bool) and actual == pytest.approx(expected, rel=1e-12)
 
 
 def _cfg(recipe: str):
