@@ -39,13 +39,6 @@ def test_ulysses_with_fsdp2_on_two_gloo_ranks_equals_one_process(launch_ranks, t
     _check_ranks(tmp_path, world=2, groups=1)
 
 
-@pytest.mark.heavy
-def test_two_groups_of_two_ulysses_ranks_with_fsdp2_equal_one_process_on_both_samples(launch_ranks, tmp_path):
-    """The 2-D case: (dp_shard 2) x (ulysses 2) on 4 gloo ranks, one sample per group, FSDP2 over all 4."""
-    launch_ranks("../tests/scaling/cp_ranks.py", [str(tmp_path), "2"], world=4, timeout=600)
-    _check_ranks(tmp_path, world=4, groups=2)
-
-
 def test_degree_must_divide_world_size_and_sequence_and_heads():
     assert cpm.world_problem(CP(ulysses=2, ring=2), 8) is None
     assert "valid degrees: [1, 2, 3, 6]" in cpm.world_problem(CP(ulysses=4), 6)
