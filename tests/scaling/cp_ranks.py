@@ -2,7 +2,7 @@
 process, on the ranks `launch_ranks` starts (gloo, CPU).
 
 As a script (every rank): python tests/scaling/cp_ranks.py OUT_DIR [GROUPS]; on GPUs (nccl, one GPU per rank):
-    torchrun --nproc_per_node 2 tests/scaling/cp_ranks.py OUT_DIR
+    PYTHONPATH=. torchrun --nproc_per_node 2 tests/scaling/cp_ranks.py OUT_DIR
 GROUPS data-parallel groups (default 1) of world / GROUPS Ulysses ranks, one sample per group. Each rank first runs
 the plain model on every group's sample (the one-process reference: same seed, inputs and losses), then the same
 weights under `enable_context_parallel` + `shard_model` over the world on its group's sample
@@ -122,6 +122,7 @@ def main(out_dir: str, groups: int) -> int:
         result["ring_error"] = ""
     except ContextParallelError as err:
         result["ring_error"] = str(err)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
     Path(out_dir, f"cp_rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
     return 0
