@@ -390,14 +390,10 @@ def model_facts(spec: ModelSpec, model: torch.nn.Module | None = None) -> ModelF
     )
 
 
-@dataclass(frozen=True)
-class MemoryRow:
-    """One line of the table: GiB per rank."""
+class PerRankGiB:
+    """A table row's total GiB per rank and whether it fits the GPU (rows carry params, grads, optim, gathered and
+    activations in GiB)."""
 
-    model: str
-    mode: str
-    engine: str
-    world: int
     params: float
     grads: float
     optim: float
@@ -411,6 +407,21 @@ class MemoryRow:
     @property
     def fits(self) -> bool:
         return self.total * GiB <= USABLE * GPU_BYTES
+
+
+@dataclass(frozen=True)
+class MemoryRow(PerRankGiB):
+    """One line of the table: GiB per rank."""
+
+    model: str
+    mode: str
+    engine: str
+    world: int
+    params: float
+    grads: float
+    optim: float
+    gathered: float
+    activations: float
 
 
 def activation_bytes(f: ModelFacts) -> float:

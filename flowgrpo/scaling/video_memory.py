@@ -25,9 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from .memory import (
-    GPU_BYTES,
+    PerRankGiB,
     IMAGE_LORA_TARGETS,
-    USABLE,
     GiB,
     ModelFacts,
     ModelSpec,
@@ -107,7 +106,7 @@ WORKLOADS: tuple[VideoWorkload, ...] = (
 
 
 @dataclass(frozen=True)
-class VideoRow:
+class VideoRow(PerRankGiB):
     mode: str
     cp: int
     checkpointing: bool
@@ -117,14 +116,6 @@ class VideoRow:
     gathered: float
     activations: float
     splits: bool  # the sequence divides by the degree (diffusers' equal partition)
-
-    @property
-    def total(self) -> float:
-        return self.params + self.grads + self.optim + self.gathered + self.activations
-
-    @property
-    def fits(self) -> bool:
-        return self.total * GiB <= USABLE * GPU_BYTES
 
 
 def video_activation_bytes(f: ModelFacts, cp: int, checkpointing: bool) -> float:
