@@ -143,19 +143,14 @@ class TextGRPOMethod(Method):
             cm = rollout.completion_mask
             conf = ((old.logp - logp_ref) * cm).sum(1)
             groups = replace(groups, confidence=conf.view(groups.num_groups, groups.group_size))
-        adv = compute_advantages(groups, cfg.advantage)
-        if adv.level != "sample":
-            raise ValueError(
-                f"advantage estimator '{cfg.advantage.estimator.name}' gives {adv.level}-level "
-                f"advantages; the text trainer uses one advantage per completion"
-            )
+        adv = compute_advantages(self._advantage_inputs(groups, rollout, record, counts), cfg.advantage)
         record.update(adv.metrics)
         record.update(_completion_metrics(rollout))
         N = rollout.num_sequences
         mask = rollout.completion_mask.clone()
         if cfg.generation.mask_truncated:
             mask &= ~rollout.truncated.unsqueeze(1)
-        advantages = adv.advantages.reshape(N)
+        advantages = self._action_advantages(adv, rollout)
         sample_weight = adv.sample_weight.reshape(N, 1).expand(mask.shape).clone()
         # the order of every pass, fixed up front: the on-policy check needs the first rows trained on
         minis = [self._mini_batches(N, rollout.group_size, it) for it in range(cfg.train.inner_epochs)]
@@ -177,7 +172,7 @@ class TextGRPOMethod(Method):
             sample_weight = sample_weight * correction.weights
         live = (mask & (sample_weight > 0)).any(1)
         if self._skip_zero_advantage():
-            live &= advantages != 0
+            live &= (advantages != 0).reshape(N, -1).any(1)
         G = rollout.group_size
         plan = [[(mini, self._micro_batches(mini, live, G)) for mini in chunks] for chunks in minis]
         checked_at = torch.full((N,), -1, dtype=torch.long)  # row -> its index in check_rows
@@ -209,6 +204,19 @@ class TextGRPOMethod(Method):
             record["entropy/mean"] = float(entropy[mask].mean()) if bool(mask.any()) else math.nan
         vocab_mean_old = None if old is None or old.vocab_mean is None else old.vocab_mean.to(dev)
         return PreparedBatch(rollout, full, logp_old is not None, entropy, vocab_mean_old, plan, checked_at, check_logp)
+
+    def _advantage_inputs(self, groups: Any, rollout: Any, record: dict[str, Any], counts: dict[str, int]) -> Any:
+        """The estimator's input; a method that feeds more (a critic's values, step potentials) extends it."""
+        return groups
+
+    def _action_advantages(self, adv: Any, rollout: Any) -> torch.Tensor:
+        """Advantages per completion [N] (or per token [N, T] where a method maps finer levels onto tokens)."""
+        if adv.level != "sample":
+            raise ValueError(
+                f"advantage estimator '{self.ctx.cfg.advantage.estimator.name}' gives {adv.level}-level "
+                f"advantages; method grpo uses one advantage per completion"
+            )
+        return adv.advantages.reshape(rollout.num_sequences)
 
     def checkpoint_parts(self, parts: Any) -> None:
         if self.memory is not None:  # SPO rho_type kl: the stored completions, exact (tensors)
