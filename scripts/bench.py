@@ -3,7 +3,8 @@
 
     HF_HUB_OFFLINE=1 python scripts/bench.py                       # all 14 tiny recipes, 3 iterations after 1 warm-up
     HF_HUB_OFFLINE=1 python scripts/bench.py --recipes flow_grpo,branchgrpo --iterations 1 --warmup 0
-    HF_HUB_OFFLINE=1 python scripts/bench.py --gpu                 # NOT YET RUN: SD3.5-M-sized random transformer, 512 px
+    HF_HUB_OFFLINE=1 python scripts/bench.py --gpu                 # SD3.5-M-sized random transformer, 512 px (CUDA)
+    python scripts/bench.py --gpu-render docs/bench_t2i_gpu.json   # re-write the GPU section from a saved run
     HF_HUB_OFFLINE=1 python scripts/bench.py --to-reward-rise 0.005 # each recipe's counts / time to reach a reward
 
 Every recipe runs in its own Python process (peak memory is then the recipe's own; one recipe's state
@@ -35,7 +36,8 @@ backward passes, reward calls and seconds it took; writes docs/bench_t2i_to_rewa
 "## Compute to reach a reward (tiny models, CPU)".
 
 Writes --json (docs/bench_t2i.json) and the section "## Text-to-image recipes (tiny models, CPU)" of
---markdown (docs/benchmarks.md, created with "# Benchmarks" if missing; other sections are kept).
+--markdown (docs/benchmarks.md, created with "# Benchmarks" if missing; other sections are kept). --gpu writes
+docs/bench_t2i_gpu.json and the section "## Text-to-image on GPU (...)" instead.
 """
 
 from __future__ import annotations
@@ -63,7 +65,15 @@ sys.path.insert(0, str(ROOT))
 from scripts.bench_t2i.gpu import GPU_SECTION, bench_gpu, gpu_markdown  # noqa: E402
 from scripts.bench_t2i.published import PUBLISHED, bench_published  # noqa: E402
 from scripts.bench_t2i.recipes import RECIPES, bench_recipe  # noqa: E402
-from scripts.bench_t2i.report import SECTION, git_state, machine, markdown, versions, write_section  # noqa: E402,F401
+from scripts.bench_t2i.report import (  # noqa: E402,F401
+    SECTION,
+    git_state,
+    load_gpu,
+    machine,
+    markdown,
+    versions,
+    write_section,
+)
 from scripts.bench_t2i.to_reward import SECTION as TO_REWARD_SECTION  # noqa: E402
 from scripts.bench_t2i.to_reward import bench_to_reward, to_reward_markdown  # noqa: E402
 
@@ -176,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     t.add_argument("--to-reward-window", type=int, default=3, help="running mean over this many iterations")
     t.add_argument("--to-reward-max-iterations", type=int, default=40, help="stop here if never reached")
-    g = p.add_argument_group("GPU mode (written, NOT YET RUN on a GPU)")
+    g = p.add_argument_group("GPU mode (first run: H200, docs/bench_t2i_gpu.json)")
     g.add_argument("--gpu", action="store_true", help="SD3.5-M-sized random transformer instead of the tiny recipes")
     g.add_argument("--gpu-device", default="cuda")
     g.add_argument("--gpu-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
@@ -187,6 +197,12 @@ def main(argv: list[str] | None = None) -> dict:
     g.add_argument("--gpu-prompts", type=int, default=2)
     g.add_argument("--gpu-micro", type=int, default=8)
     g.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak (default: by name)")
+    g.add_argument(
+        "--gpu-render",
+        default=None,
+        metavar="JSON",
+        help="no run: re-write the GPU section of --markdown from a saved --gpu JSON (e.g. docs/bench_t2i_gpu.json)",
+    )
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -196,6 +212,13 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("--to-reward and --to-reward-rise: give one target, not both")
     if args.to_reward_window < 1 or args.to_reward_max_iterations < 1:
         p.error("--to-reward-window and --to-reward-max-iterations must be >= 1")
+
+    if args.gpu_render:  # the section from a recorded run (e.g. after the JSON's metadata was corrected)
+        saved = json.loads(Path(args.gpu_render).read_text())
+        if "gpu" not in saved:
+            p.error(f"--gpu-render {args.gpu_render}: not a --gpu JSON (no 'gpu' key); valid: what --gpu --json wrote")
+        write_section(Path(args.markdown), gpu_markdown(saved), GPU_SECTION)
+        return saved
 
     if args.worker:  # child process: one recipe or the published settings
         kind, names = args.worker.split(":", 1)
@@ -217,7 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
                 k: getattr(args, k)
                 for k in ("recipes", "iterations", "warmup", "num_threads", "published", "in_process")
             },
-            "machine": machine(args.num_threads),
+            "machine": machine(args.num_threads, args.gpu_device if args.gpu else None),
             "versions": versions(),
             "git": git_state(),
             "load_before": [round(x, 2) for x in os.getloadavg()],
@@ -265,7 +288,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["load_after"] = [round(x, 2) for x in os.getloadavg()]
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1, default=_json_default) + "\n")
-    write_section(Path(args.markdown), markdown(result))
+    write_section(Path(args.markdown), markdown(result, load_gpu()))
     return result
 
 

@@ -1,4 +1,5 @@
-"""GPU mode (NOT YET RUN on a GPU): an SD3.5-M-sized random transformer at 512 px."""
+"""GPU mode: Flow-GRPO's whole trainer iteration on an SD3.5-M-sized random transformer at 512 px (first run on an
+H200, 2026-11-27: docs/bench_t2i_gpu.json and its section of docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -176,8 +177,58 @@ def bench_gpu(args) -> dict[str, Any]:
     }
 
 
+def gpu_reading(result: dict) -> list[str]:
+    """Where an iteration's time goes, computed from the measured iterations (so a re-run keeps it true): the
+    trainer's phase timers (synchronised), the hooks' model-call times inside them (host clock), counted FLOPs."""
+    g = result["gpu"]
+    rows = [r for r in g["iterations"] if not r["warmup"]]
+    if not rows:
+        return []
+    mean = lambda f: statistics.fmean(f(r) for r in rows)
+    it, roll, train = (mean(lambda r, k=k: r[f"time_{k}_s"]) for k in ("iteration", "rollout", "train"))
+    reward, wait = mean(lambda r: r["time_reward_s"]), mean(lambda r: r["time_reward_wait_s"])
+    call = lambda k: mean(lambda r: r["model"][k])
+    fwd0, fwd1, bwd, text = call("fwd_nograd_s"), call("fwd_grad_s"), call("backward_s"), call("text_encoder_s")
+    row_tflop = g["gflop_per_denoiser_row"] / 1e3
+    # forwards per grad row as bench_gpu counted them (2 under LoRA, 3 full), read back from its FLOP total
+    r0 = rows[0]
+    grad_factor = round((r0["denoiser_tflop"] / row_tflop - r0["nfe_nograd"]) / r0["nfe_grad"]) if r0["nfe_grad"] else 0
+    roll_tflop = row_tflop * mean(lambda r: r["rollout_nfe_nograd"])
+    train_tflop = row_tflop * grad_factor * mean(lambda r: r["nfe_grad"])
+    total = row_tflop * mean(lambda r: r["nfe_nograd"] + grad_factor * r["nfe_grad"])
+    peak = g["peak_bf16_tflops"]
+    of_peak = lambda tflop, s: f"{tflop / s:.0f} TFLOP/s" + (f", {tflop / s / peak:.1%} of peak" if peak else "")
+    model_train = fwd1 + bwd
+    return [
+        f"- Iteration {it:.2f} s (mean of the {len(rows)} measured iterations, after "
+        f"{len(g['iterations']) - len(rows)} warm-up): rollout {roll:.2f} s ({roll / it:.0%}), "
+        f"train {train:.2f} s ({train / it:.0%}), the main thread's wait for the last rewards {wait:.2f} s; scoring "
+        f"({reward:.2f} s on the reward worker threads) overlaps the rollout.",
+        f"- Rollout: denoiser forwards without grad {fwd0:.2f} s ({fwd0 / roll:.0%} of the phase; "
+        f"{call('fwd_nograd_calls'):.0f} calls, {call('fwd_nograd_rows'):.0f} rows); the other {roll - fwd0:.2f} s "
+        f"is the sampler's step math (SDE step, log-probs), text encoding ({text:.2f} s) and Python between calls.",
+        f"- Train: forwards with grad {fwd1:.2f} s + backward passes {bwd:.2f} s = {model_train:.2f} s "
+        f"({model_train / train:.0%} of the phase; {call('fwd_grad_calls'):.0f} calls, "
+        f"{call('fwd_grad_rows'):.0f} rows); the other {train - model_train:.2f} s ({1 - model_train / train:.0%}) "
+        "is overhead: the AdamW step, the log-prob and loss math, advantages.",
+        f"- Outside every model call (forwards, decodes, backward passes): "
+        f"{mean(lambda r: 1 - r['model']['union_all_s'] / r['wall_s']):.0%} of the iteration "
+        f"({mean(lambda r: r['wall_s'] - r['model']['union_all_s']):.2f} s: the sampler's and "
+        "the loss's math, the optimizer step, the reward wait, Python).",
+        f"- FLOPs (denoiser only, counted; peak {peak} TFLOP/s dense bf16): {g['gflop_per_denoiser_row']:.0f} GFLOP "
+        "per row; an iteration "
+        f"{total:.0f} TFLOP ({of_peak(total, it)} over the iteration); the rollout's {roll_tflop:.0f} TFLOP at "
+        f"{of_peak(roll_tflop, roll)} over its phase; the train phase's {train_tflop:.0f} TFLOP (a grad row = "
+        f"{grad_factor} forwards) at {of_peak(train_tflop, train)}.",
+        "- The phase timers synchronise the GPU; the hooks read the host clock without synchronising, so work "
+        "still queued when a call returns is counted where the host next waits for it: the split inside a phase "
+        "is approximate, the phase totals are not.",
+    ]
+
+
 def gpu_markdown(result: dict) -> str:
-    g, s = result["gpu"], result["gpu"]["summary"]
+    """The GPU section of docs/benchmarks.md from bench.py --gpu's JSON (its optional `notes`: one bullet each)."""
+    g, s, git = result["gpu"], result["gpu"]["summary"], result["git"]
     fmt = lambda v, f: "-" if v is None else format(v, f)
     return "\n".join(
         [
@@ -185,8 +236,9 @@ def gpu_markdown(result: dict) -> str:
             "",
             f"`{result['command']}`",
             "",
-            f"- date (UTC): {result['date']}; device: {g['device']}; versions: "
-            + ", ".join(f"{k} {v}" for k, v in result["versions"].items() if v),
+            f"- date (UTC): {result['date']}; git {git['commit']}{' (uncommitted changes)' if git['dirty'] else ''}; "
+            f"device: {g['device']}; versions: " + ", ".join(f"{k} {v}" for k, v in result["versions"].items() if v),
+            *(f"- {note}" for note in result.get("notes", [])),
             f"- Flow-GRPO, denoiser {g['denoiser_params'] / 1e9:.2f} B parameters (random), {g['gflop_per_denoiser_row']:.0f} "
             f"GFLOP per row; settings: {json.dumps(g['settings'])}",
             "- not the real model: random weights, tiny text encoders (272 text tokens: CLIP 16 + T5 256, SD3.5-M has "
@@ -198,5 +250,6 @@ def gpu_markdown(result: dict) -> str:
             f"| {fmt(s['rollout_images_per_s'], '.2f')} | {fmt(s['seconds_per_iteration_mean'], '.2f')} | "
             f"{fmt(s['peak_memory_mb'], '.0f')} | {fmt(s['mfu'], '.1%')} | {fmt(s['rollout_mfu'], '.1%')} |",
             "",
+            *(["Reading:", "", *reading, ""] if (reading := gpu_reading(result)) else []),
         ]
     )

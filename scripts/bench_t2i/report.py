@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import platform
@@ -16,9 +17,11 @@ from .recipes import counts_close
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTION = "## Text-to-image recipes (tiny models, CPU)"
+GPU_JSON = ROOT / "docs" / "bench_t2i_gpu.json"  # what `scripts/bench.py --gpu` writes by default
 
 
-def machine(threads: int) -> dict[str, Any]:
+def machine(threads: int, device: str | None = None) -> dict[str, Any]:
+    """The host, and the GPU's name when `device` is a CUDA device (the --gpu mode) and CUDA is present."""
     cpu = platform.processor() or ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -33,8 +36,52 @@ def machine(threads: int) -> dict[str, Any]:
         "torch_threads": threads,
         "platform": platform.platform(),
         "python": platform.python_version(),
-        "gpu": None,
+        "gpu": _gpu_name(device),
     }
+
+
+def _gpu_name(device: str | None) -> str | None:
+    if not device or not device.startswith("cuda"):
+        return None
+    import torch
+
+    return torch.cuda.get_device_name(torch.device(device)) if torch.cuda.is_available() else None
+
+
+def load_gpu(path: Path = GPU_JSON) -> dict | None:
+    """The recorded GPU run (`scripts/bench.py --gpu`'s JSON), or None when there is none."""
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def gpu_pointer(gpu: dict | None) -> str:
+    """The CPU section's line on GPU figures: where the recorded GPU run is, or that there is none."""
+    if gpu is None:
+        return (
+            "- GPU figures: none recorded. `python scripts/bench.py --gpu` (an SD3.5-Medium-sized transformer with "
+            "random weights at 512 px: rollout images/s, s/iteration, peak memory, MFU) writes them to "
+            'docs/bench_t2i_gpu.json and the section "Text-to-image on GPU" of this page.'
+        )
+    s = gpu["gpu"]["summary"]
+    return (
+        f'- GPU figures: the section "Text-to-image on GPU" of this page (docs/bench_t2i_gpu.json; '
+        f"{gpu['gpu']['device']}, {gpu['date']} UTC: an SD3.5-Medium-sized random transformer at 512 px, "
+        f"{s['seconds_per_iteration_mean']:.2f} s per Flow-GRPO iteration)."
+    )
+
+
+def _gpu_outside(gpu: dict | None) -> str:
+    """The GPU run's share of the iteration outside model calls, for the CPU section's reading."""
+    rows = [r for r in gpu["gpu"]["iterations"] if not r["warmup"]] if gpu else []
+    if not rows:
+        return "; at real model sizes the model calls should take a larger share (not measured: no GPU run is recorded)"
+    # as recipes.summarize computes the tiny recipes' shares
+    fd = statistics.fmean(1 - r["model"]["union_fwd_decode_s"] / r["wall_s"] for r in rows)
+    every = statistics.fmean(1 - r["model"]["union_all_s"] / r["wall_s"] for r in rows)
+    return (
+        f". On the GPU run (SD3.5-M-sized, {gpu['gpu']['device']}; its section below): {fd:.0%} outside forwards "
+        f"and decodes, {every:.0%} outside forwards, decodes and backward passes, on the host clock (the hooks do "
+        "not synchronise the GPU, the phase timers do)"
+    )
 
 
 def versions() -> dict[str, str | None]:
@@ -70,8 +117,9 @@ def _n(x: float, digits: int = 2) -> str:
     return f"{x:.{digits}f}".rstrip("0").rstrip(".") if abs(x - round(x)) > 1e-9 else str(round(x))
 
 
-def reading(result: dict) -> list[str]:
-    """A few plain statements computed from the numbers (so a re-run keeps them true)."""
+def reading(result: dict, gpu: dict | None = None) -> list[str]:
+    """A few plain statements computed from the numbers (so a re-run keeps them true); `gpu`: the recorded
+    GPU run (load_gpu), whose share outside model calls is set beside the tiny models' ones."""
     recipes = {k: v["summary"] for k, v in result["recipes"].items() if "summary" in v}
     out = []
     if not recipes:
@@ -125,8 +173,7 @@ def reading(result: dict) -> list[str]:
         f"- Outside denoiser forwards and VAE decodes: {min(outside_fd):.0%} to {max(outside_fd):.0%} of the "
         f"iteration; outside forwards, decodes and backward passes: {min(outside):.0%} to {max(outside):.0%}. "
         "With models this small, Python work (sampler step maths, tree bookkeeping, optimizer, EMA, LoRA "
-        "plumbing) is a large share; at real model sizes the model calls should dominate and these shares "
-        "shrink (not measured: the GPU mode has not run)."
+        "plumbing) is a large share" + _gpu_outside(gpu) + "."
     )
     ratios = {
         k: s["seconds_per_iteration_mean"] / s["cpu_seconds_per_iteration"]
@@ -234,7 +281,8 @@ def published_lines(pub: dict) -> list[str]:
     return lines
 
 
-def markdown(result: dict) -> str:
+def markdown(result: dict, gpu: dict | None = None) -> str:
+    """The CPU section; `gpu`: the recorded GPU run (load_gpu), pointed to and quoted in the reading."""
     mach, ver, a = result["machine"], result["versions"], result["settings"]
     lines = [
         SECTION,
@@ -248,9 +296,7 @@ def markdown(result: dict) -> str:
         f"- each recipe: configs/t2i/tiny/<recipe>.yaml in its own process, {a['warmup']} warm-up + "
         f"{a['iterations']} measured iterations of T2ITrainer.train_iteration() (tiny random models, 32 px, CPU, fp32)"
         + ("; --in-process: all recipes in one process, so peak RSS is cumulative" if a["in_process"] else ""),
-        "- no GPU was available for this session: the GPU part of the benchmark (an SD3.5-Medium-sized transformer "
-        "with random weights at 512 px: rollout images/s, s/iteration, peak memory, MFU) is written as "
-        "`python scripts/bench.py --gpu` and has **not been run yet**; its numbers do not exist.",
+        gpu_pointer(gpu),
         "",
         "Counts per final (trained) image: rows through the denoiser (CFG would double them; the tiny recipes "
         "sample without CFG), measured by the sampler's counters over the measured iterations; the closed form "
@@ -320,7 +366,7 @@ def markdown(result: dict) -> str:
         "Reading:",
         "",
     ]
-    lines += reading(result)
+    lines += reading(result, gpu)
     lines += published_lines(result.get("published") or {})
     return "\n".join(lines) + "\n"
 
