@@ -8,7 +8,7 @@ split by grad / no grad, in rows that actually went through the network (CFG dou
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Sequence
 
 import torch
 from pydantic import Field
@@ -67,6 +67,9 @@ class SamplerConfig(StrictModel):
                 f"sampler: shift applies to the 'scheduler' grid; schedule '{self.schedule.name}' "
                 "sets its own (e.g. schedule: {name: time_shift, shift: 3.0})"
             )
+
+
+Sizes = int | Sequence[int]  # final states per prompt: one number, or one per prompt (ragged groups)
 
 
 @dataclass
@@ -253,10 +256,13 @@ class Sampler:
         adapter,
         prompts: list[str],
         plan: RolloutPlan,
-        group_size: int,
+        group_size: Sizes,
         generator: Optional[torch.Generator] = None,
     ) -> RolloutTree:
-        """Sample `group_size` final states per prompt by `plan`; returns every node and edge."""
+        """Sample `group_size` final states per prompt by `plan`; returns every node and edge.
+
+        A list gives each prompt its own number (ragged groups, Knapsack RL): only those states are sampled, and
+        the tree's `leaves` [P, largest] hold -1 in the slots of the smaller groups (no node, never denoised)."""
         if not self.config.inference_mode:
             return self._run(adapter, prompts, plan, group_size, generator)
         adapter.encode_prompts(
@@ -266,12 +272,9 @@ class Sampler:
             tree = self._run(adapter, prompts, plan, group_size, generator)
         return _out_of_inference_mode(tree)
 
-    def _run(
-        self, adapter, prompts: list[str], plan: RolloutPlan, group_size: int, generator: Optional[torch.Generator]
-    ) -> RolloutTree:
+    def _noise_blocks(self, plan: RolloutPlan, group_size: int) -> tuple[RolloutPlan, int, int]:
+        """(the plan, roots per prompt, roots per initial noise) of groups of `group_size`."""
         cfg = self.config
-        if plan.grid_steps != cfg.num_steps:
-            raise ValueError(f"plan has {plan.grid_steps} steps but the sampler is set to num_steps={cfg.num_steps}")
         leaves = plan.leaves_per_root
         if group_size % leaves:
             raise ValueError(
@@ -293,6 +296,16 @@ class Sampler:
                 steps = list(plan.steps)
                 steps[first] = replace(steps[first], branch=steps[first].branch * block)
                 plan, roots, block = replace(plan, steps=tuple(steps)), roots // block, 1
+        return plan, roots, block
+
+    def _run(self, adapter, prompts: list[str], plan: RolloutPlan, group_size: Sizes, generator) -> RolloutTree:
+        cfg = self.config
+        if plan.grid_steps != cfg.num_steps:
+            raise ValueError(f"plan has {plan.grid_steps} steps but the sampler is set to num_steps={cfg.num_steps}")
+        if isinstance(group_size, int):
+            plan, roots, block = self._noise_blocks(plan, group_size)
+        else:  # ragged groups (Knapsack RL): each prompt its own number of roots, one noise each
+            roots, block = _ragged_roots([int(n) for n in group_size], len(prompts), plan, cfg.share_noise), 1
         before = self.counters.as_dict()
         with torch.inference_mode(False):  # the schedule is stored on the tree and used with grad later
             schedule = self.schedule(adapter, plan)
@@ -301,7 +314,8 @@ class Sampler:
         shape = adapter.latent_shape(cfg.height, cfg.width)
         P = len(prompts)
         draw = lambda n: torch.randn((n, *shape), generator=generator).to(device)  # noqa: E731
-        x = draw(P * roots // block).repeat_interleave(block, 0)
+        n_roots = P * roots if isinstance(roots, int) else int(roots.sum())
+        x = draw(n_roots // block).repeat_interleave(block, 0)
         frontier_prompt = torch.arange(P).repeat_interleave(roots)
         nodes = _Nodes()
         frontier = nodes.add(
@@ -364,7 +378,7 @@ class Sampler:
         tree = self._assemble(nodes, frontier, frontier_prompt, P, plan.num_steps, probe_ids, probe_latents)
         if last_x0 is not None:
             order = torch.argsort(frontier_prompt, stable=True)  # the leaves' layout (_assemble)
-            tree.leaf_images = last_x0[order].view(*tree.leaves.shape, *last_x0.shape[1:])
+            tree.leaf_images = _by_prompt(last_x0[order], frontier_prompt[order], P)
         tree.schedule = schedule
         after = self.counters.as_dict()
         tree.counters = {k: after[k] - before[k] for k in after}
@@ -410,7 +424,7 @@ class Sampler:
     ) -> RolloutTree:
         cat = torch.cat
         order = torch.argsort(frontier_prompt, stable=True)
-        leaves = frontier[order].view(P, -1)
+        leaves = _by_prompt(frontier[order], frontier_prompt[order], P)
         return RolloutTree(
             parent=cat(nodes.parent),
             depth=nodes.column(1, torch.long),
@@ -453,6 +467,29 @@ class Sampler:
         )
         name, settings = self._kernel(adapter, True, "euler")
         return rescore(name, x, x_next, v, tree.schedule, steps.to(x.device), **settings)
+
+
+def _ragged_roots(sizes: list[int], num_prompts: int, plan: RolloutPlan, share_noise: bool) -> Tensor:
+    leaves = plan.leaves_per_root  # roots per prompt of ragged groups of `sizes` final states
+    if len(sizes) != num_prompts or any(n < 1 or n % leaves for n in sizes):
+        raise ValueError(
+            f"ragged groups: one size per prompt ({num_prompts}), each >= 1 and a multiple of plan "
+            f"'{plan.name}''s {leaves} final states per root, got {sizes}"
+        )
+    if share_noise:
+        raise ValueError("ragged groups draw one noise per root: they go without sampler.share_noise")
+    return torch.tensor(sizes) // leaves
+
+
+def _by_prompt(rows: Tensor, prompt: Tensor, P: int) -> Tensor:
+    """Rows sorted by prompt as [P, L, ...]; smaller groups of ragged ones pad with -1 (node ids) or 0 (latents)."""
+    counts = torch.bincount(prompt, minlength=P)
+    if bool((counts == counts[0]).all()):
+        return rows.view(P, -1, *rows.shape[1:])
+    slot = torch.arange(prompt.numel()) - (torch.cumsum(counts, 0) - counts)[prompt]
+    out = rows.new_full((P, int(counts.max()), *rows.shape[1:]), -1 if rows.dtype == torch.long else 0)
+    out[prompt.to(out.device), slot.to(out.device)] = rows
+    return out
 
 
 def _out_of_inference_mode(tree: RolloutTree) -> RolloutTree:

@@ -25,7 +25,8 @@ rest masked (`ragged_groups`); each prompt is then normalised within its own gro
 In a run: `prompt_sampling: {name: knapsack, low: 2, high: 32}` (the bounds' defaults are ours, ◐). Its rows are
 the seeded permutation's; the text trainer's collector asks `knapsack_budgets` for each step's budgets with
 total = prompts_per_iteration x group_size, samples N_i completions of prompt i and pads every group to the step's
-largest N_i with masked rows (flowgrpo/text/collect.py).
+largest N_i with masked rows (flowgrpo/text/collect.py). The image trainer samples exactly N_i images of prompt i
+and leaves the rest of row i empty (flowgrpo/t2i/ragged.py).
 """
 
 from __future__ import annotations

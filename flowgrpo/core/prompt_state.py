@@ -220,7 +220,7 @@ def prompt_policy(
         if not reads_budgets:
             raise ValueError(
                 f"prompt sampler '{sampler}' sets per-prompt rollout budgets (ragged groups), which this trainer "
-                "does not lay out; the text trainer does"
+                "does not lay out; the text and image trainers do"
             )
         _table(table, sampler)
         return None

@@ -19,6 +19,7 @@ from ..core.prompt_state import PROMPT_SAMPLERS, STATEFUL_ESTIMATORS
 from ..run.config import CheckpointConfig, EMAConfig, OptimConfig, RatioCheckConfig, UpdateConfig
 from .methods import METHODS, method_class
 from .monitor_config import MonitorConfig, check_monitor
+from .ragged import ragged_problem
 from .awm import AWMConfig
 from .sft import SFTConfig
 from .dpo import DPOConfig
@@ -312,7 +313,7 @@ class T2IConfig(StrictModel):
         if self.rollout_split > 1 and (problem := _split_problem(self, est, plan)):
             raise ValueError(f"rollout_split {self.rollout_split}: {problem}")
         needs = ESTIMATORS.get(est)
-        if problem := _prompt_state_problem(self, est):
+        if problem := _prompt_state_problem(self, est) or ragged_problem(self):  # ragged: Knapsack RL's budgets
             raise ValueError(problem)
         if (self.edges.depth_pruning or self.edges.width_pruning) and plan != "tree":
             raise ValueError("edges: depth / width pruning are BranchGRPO options for the 'tree' plan")

@@ -9,7 +9,7 @@ Every method differs only in which node's reward is used and how it becomes an a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -127,6 +127,10 @@ def assign_credit(
     )
     if prompt_state is not None:  # only then: a run without it builds the batch it always built
         base.update(prompt_ids=prompt_ids, prompt_state=prompt_state, step=iteration + 1)
+    real = tree.leaves >= 0  # False: a slot that a smaller ragged group lacks (Knapsack RL, ragged.py)
+    ragged = not bool(real.all())
+    if ragged:  # its chain is all -1, so no edge takes its advantage; statistics and the prompt table skip it
+        base["valid"] = real
     N = tree.num_nodes
     if reads == "tree":  # leaf rewards fused up the tree: one advantage per node
         structure, local = tree.tree_structure()
@@ -159,7 +163,8 @@ def assign_credit(
 
         # the same draw on every rank and after a resume: it depends on (seed, iteration) only
         gen = torch.Generator().manual_seed((cfg.seed * 1_000_003 + iteration) * 7_919 + 17)
-        keep &= per_sample_steps(tree, cfg.edges.per_sample_fraction, gen, cfg.edges.exclude_last)
+        samples = replace(tree, leaves=tree.leaves[real].unsqueeze(1)) if ragged else tree  # real samples only
+        keep &= per_sample_steps(samples, cfg.edges.per_sample_fraction, gen, cfg.edges.exclude_last)
     if cfg.edges.drop_zero_advantage and cfg.loss.kl.coef == 0:
         keep &= node_adv != 0
     if cfg.edges.group_filter is not None:  # Edit-R1's mask: saturated groups' edges leave the loss (group_filter.py)

@@ -29,7 +29,7 @@ from ..scaling.sharding import full_state
 from ..run.clock import seconds_since
 from ..run import CheckpointParts, OptimizerStep, PromptSampler, RunLoop, build_ema, build_optimizer
 from . import adversarial, awm, dpo, gardo_methods, grpo, nft, reward_backprop, sft  # noqa: F401  (register the methods)
-from . import artifacts, edit_data
+from . import artifacts, edit_data, ragged
 from .config import T2IConfig, is_video_family
 from .data import PromptSet, load_prompt_set
 from .hacking_monitor import HackingMonitor
@@ -97,7 +97,10 @@ class T2ITrainer(RunLoop):
         # per-prompt state across steps (SPO's tracker, Prompt Replay's buffer): None unless a part reads it
         sampling = cfg.prompt_sampling
         self.prompt_state = build_prompt_state(len(self.prompts), cfg.advantage.estimator.name, sampling.name)
-        self.prompt_sampler.policy = prompt_policy(self.prompt_state, sampling.name, sampling.settings, cfg.seed)
+        self.budgets = ragged.budget_settings(cfg)  # Knapsack RL: each prompt's own number of images (ragged.py)
+        self.prompt_sampler.policy = prompt_policy(
+            self.prompt_state, sampling.name, sampling.settings, cfg.seed, reads_budgets=self.budgets is not None
+        )
         self.trackers: artifacts.Trackers | None = None  # rank 0 opens them with its first record
         self.monitor = HackingMonitor(cfg, self)  # reward-hacking monitor: gold scorers, image statistics, alarm
         if cfg.resume:
@@ -156,8 +159,11 @@ class T2ITrainer(RunLoop):
 
     # --- rollout and rewards -----------------------------------------------------------------------
 
-    def _collect(self, record: dict[str, Any], batch_prompts: PromptSet, plan: Any, keep_images: bool) -> ScoredRollout:
-        """Roll out this rank's batches and score them on worker threads."""
+    def _collect(
+        self, record: dict[str, Any], batch_prompts: PromptSet, plan: Any, keep_images: bool, budgets: Any = None
+    ) -> ScoredRollout:
+        """Roll out this rank's batches and score them on worker threads; `budgets`: each prompt's number of images
+        (ragged groups, ragged.py), else group_size each."""
         from pipelines.rollout import concat_trees
 
         cfg, split = self.cfg, self.cfg.rollout_split
@@ -173,11 +179,14 @@ class T2ITrainer(RunLoop):
             b = c // split
             prompts = batch_prompts.prompts[b * Pc : (b + 1) * Pc]
             meta = batch_prompts.metadata[b * Pc : (b + 1) * Pc]
+            sizes = G if budgets is None else budgets[b * Pc : (b + 1) * Pc]
             with torch.no_grad(), self.method.rollout_policy() as policy:
-                tree = self.sampler.run(policy, prompts, plan, G, generator=gen)
-            L = tree.leaves.shape[1]
+                tree = self.sampler.run(policy, prompts, plan, sizes, generator=gen)
+            real = ragged.real_leaves(tree)  # all True but for the padding of ragged groups: never decoded
             lat = [tree.leaf_latents().flatten(0, 1)]
-            rows = [p for p in range(len(prompts)) for _ in range(L)]
+            if budgets is not None:
+                lat = [lat[0][real.reshape(-1).to(lat[0].device)]]
+            rows = real.nonzero()[:, 0].tolist()
             if tree.probe_latents is not None:
                 lat.append(tree.probe_latents)
                 rows += tree.prompt[tree.probe_nodes].tolist()
@@ -188,7 +197,7 @@ class T2ITrainer(RunLoop):
                     [prompts[r] for r in rows],
                     [meta[r] for r in rows],
                     G,
-                    len(prompts) * L,
+                    int(real.sum()),
                     keep_images,
                     inline=c == mine[-1],  # nothing left to overlap it with: the caller would only wait
                 )
@@ -205,12 +214,12 @@ class T2ITrainer(RunLoop):
         for s in scored:
             for k, v in s.extras.items():
                 record[k] = record.get(k, 0.0) + v / len(scored)
-        n_leaf = trees[0].leaves.numel()
+        n_leaf = [int(ragged.real_leaves(t).sum()) for t in trees]
 
         def gather(parts: list) -> Any:
             return self.dist.gather_chunks(parts, n_chunks)
 
-        local = concat_trees(trees)
+        local = concat_trees(trees) if budgets is None else ragged.join(trees, max(budgets))
         if self.dist.active:  # the same structure for every batch: a global tree without states for credit
             logps = gather([t.edge_logp for t in trees]).view(n_chunks, -1)
             skeleton = [
@@ -227,13 +236,19 @@ class T2ITrainer(RunLoop):
             global_tree = concat_trees(skeleton)
         else:
             global_tree = local
+        leaf_values, probe_values = (
+            [s.values[:n] for s, n in zip(scored, n_leaf)],
+            [s.values[n:] for s, n in zip(scored, n_leaf)],
+        )
+        if budgets is not None:  # one process (ragged.py): NaN (unscored) rewards in the padding slots
+            leaf_values = [ragged.spread(torch.cat(leaf_values), ragged.real_leaves(local))]
         if split > 1:  # the parts of a group are consecutive batches: one group of group_size leaves again
             global_tree = replace(
                 global_tree, prompt=global_tree.prompt // split, leaves=global_tree.leaves.reshape(-1, cfg.group_size)
             )
         return ScoredRollout(
-            tree=local, global_tree=global_tree, leaf_values=gather([s.values[:n_leaf] for s in scored]),
-            probe_values=gather([s.values[n_leaf:] for s in scored]) if trees[0].probe_latents is not None else None,
+            tree=local, global_tree=global_tree, leaf_values=gather(leaf_values),
+            probe_values=gather(probe_values) if trees[0].probe_latents is not None else None,
             preferences=gather([s.preferences for s in scored]),
             images=torch.cat([s.images for s in scored]) if keep_images else None,
             prompts=[p for c in mine for p in batch_prompts.prompts[c // split * Pc:(c // split + 1) * Pc]],
@@ -254,8 +269,17 @@ class T2ITrainer(RunLoop):
         if restrict := getattr(self.adapter, "restrict_plan", None):  # Wan 2.2 A14B: the trained experts' steps
             plan = restrict(plan, self.sampler.schedule(self.adapter, plan))
         record["plan/trained_steps"] = len(plan.trained_steps)
-        rollout = self._collect(record, batch_prompts, plan, self._grid_due() or self.method.needs_images)
-        leaf, probe = self.guard.rewards(record, rollout.leaf_values, rollout.probe_values)  # +-inf -> NaN, counted
+        budgets = None
+        if self.budgets is not None:  # Knapsack RL: the budgets of this step's prompts, from the prompt table
+            budgets = ragged.step_budgets(self.prompt_state, rows, cfg, self.budgets, record)
+        keep = self._grid_due() or self.method.needs_images
+        rollout = self._collect(record, batch_prompts, plan, keep, budgets)
+        if budgets is None:
+            leaf, probe = self.guard.rewards(record, rollout.leaf_values, rollout.probe_values)  # +-inf -> NaN, counted
+        else:  # the real samples' rewards only: a padding slot's NaN is no missing reward
+            real = ragged.real_leaves(rollout.global_tree)
+            leaf, probe = self.guard.rewards(record, rollout.leaf_values[real.reshape(-1)], rollout.probe_values)
+            leaf = ragged.spread(leaf, real)
         rollout = replace(rollout, leaf_values=leaf, probe_values=probe)
         if self.prompt_state is not None:  # the stateful parts: each group's dataset row and the run's prompt table
             rollout = replace(rollout, prompt_ids=torch.tensor(rows), prompt_state=self.prompt_state)
@@ -275,13 +299,16 @@ class T2ITrainer(RunLoop):
                         "padding_passes"):  # fmt: skip
                 if key in record:
                     record[key] = type(record[key])(self.dist.sum(record[key]))
-        record["images"] = rollout.global_tree.leaves.numel()
+        record["images"] = int(ragged.real_leaves(rollout.global_tree).sum())
         record["peak_memory_mb"] = _peak_memory_mb()
         if rollout.images is not None and self._grid_due():
+            images, cols = rollout.images, cfg.group_size // cfg.rollout_split
+            if budgets is not None:  # one row per group, black where a smaller group has no image
+                images, cols = ragged.grid_images(images, ragged.real_leaves(rollout.tree)), max(budgets)
             artifacts.save_grid(
-                rollout.images,
+                images,
                 self.out / "grids" / f"rollout_{self.iteration + 1:06d}.png",
-                cfg.group_size // cfg.rollout_split,
+                cols,
                 cfg.artifacts.grid_images,
                 prompts=rollout.prompts,  # edit prompts: source | edits
                 fps=cfg.artifacts.video_fps,

@@ -1,0 +1,148 @@
+"""Ragged groups in the image trainer: Knapsack RL's per-prompt rollout budgets (`prompt_sampling: knapsack`).
+
+Each step's P prompts get budgets N_i (sum = P x group_size) from the run's prompt table by the text trainer's
+allocation (flowgrpo.core.knapsack.knapsack_budgets). The sampler rolls out exactly N_i images of prompt i
+(`Sampler.run` with one size per prompt); the tree's `leaves` [P, max N_i] hold -1 in the slots the smaller groups
+lack. Those slots have no node: nothing is denoised, decoded or scored for them. Their rewards are NaN and their
+`GroupBatch.valid` is False (credit.assign_credit), so every group statistic and the prompt table read the real
+rows only, and an edge is trained only if a real sample's chain leads through it.
+
+What cannot take ragged groups is refused when the config loads (`ragged_problem`): methods other than grpo,
+wrappers, estimators that read more than the final images, plans with branches or probes, pairwise rewards, split
+groups, shared noise, group_filter, and a launch of several processes (the batches of one iteration would differ in
+size from rank to rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ..core.advantages import ESTIMATORS
+from ..core.knapsack import check_budget_settings, knapsack_budgets
+from ..core.prompt_state import BUDGET_SAMPLERS, PROMPT_SAMPLERS, PromptTable
+from .methods import WRAPPERS
+
+
+def budget_settings(cfg: Any) -> Optional[dict[str, Any]]:
+    """The budget sampler's settings (low, high, unknown), or None when the prompt sampler sets no budgets."""
+    sampling = cfg.prompt_sampling
+    if sampling.name not in BUDGET_SAMPLERS:
+        return None
+    return {**PROMPT_SAMPLERS.get(sampling.name).settings, **sampling.settings}  # the sampler's defaults filled in
+
+
+def ragged_problem(cfg: Any) -> Optional[str]:
+    """Why this recipe cannot run with a budget sampler (None: it can, or no budget sampler is set)."""
+    settings = budget_settings(cfg)
+    if settings is None:
+        return None
+    try:
+        check_budget_settings(cfg.group_size, **settings)
+    except ValueError as err:
+        return str(err)
+    if problem := _combination_problem(cfg):
+        return (
+            f"prompt_sampling '{cfg.prompt_sampling.name}' with method '{cfg.method}': ragged groups (each prompt "
+            f"its own number of images) cannot take {problem}"
+        )
+    return None
+
+
+def _combination_problem(cfg: Any) -> Optional[str]:
+    if cfg.method != "grpo":
+        return f"method '{cfg.method}' (method grpo takes them)"
+    if wrappers := [w for w in WRAPPERS.names() if getattr(cfg, w).enabled]:
+        return f"{wrappers[0]}.enabled (it reads whole groups)"
+    est = cfg.advantage.estimator.name
+    needs = ESTIMATORS.get(est)
+    if needs.reads != "final" or needs.plan:
+        return f"advantage estimator '{est}' (it reads more than each group's final images)"
+    if problem := _plan_problem(cfg):
+        return problem
+    if cfg.rollout_split > 1:
+        return f"rollout_split {cfg.rollout_split} (set 1)"
+    if cfg.sampler.share_noise:
+        return "sampler.share_noise (noise blocks of a fixed group; set it false)"
+    if cfg.edges.group_filter is not None:
+        return "edges.group_filter (Edit-R1's mask)"
+    if "pairwise" in _reward_kinds(cfg):
+        return "a pairwise reward (it compares a fixed group's images; use pointwise rewards)"
+    from ..distributed import world_size_from_environment
+
+    if (world := world_size_from_environment()) > 1:
+        return f"a launch of {world} processes (the batches would differ in size between ranks; run one)"
+    return None
+
+
+def _plan_problem(cfg: Any) -> Optional[str]:
+    from pipelines.plans import build_plan
+
+    try:
+        plan = build_plan(cfg.plan.name, cfg.sampler.num_steps, 0, cfg.seed, **cfg.plan.settings)
+    except (ValueError, TypeError):
+        return None  # the plan's own check names the problem
+    if plan.leaves_per_root != 1 or plan.probe_depths or any(s.side_branches for s in plan.steps):
+        return f"plan '{cfg.plan.name}' (it branches or probes chains; use full_sde or window)"
+    return None
+
+
+def _reward_kinds(cfg: Any) -> list[str]:
+    from reward_models import get_entry
+
+    try:
+        return [get_entry(r.name).kind for r in cfg.rewards]
+    except KeyError:
+        return []  # the config's own check names the unknown scorer
+
+
+def step_budgets(
+    table: PromptTable, rows: Sequence[int], cfg: Any, settings: dict[str, Any], record: dict[str, Any]
+) -> list[int]:
+    """The step's budget of each prompt row (the same on a resume: a pure function of the checkpointed table)."""
+    budgets = knapsack_budgets(table, rows, cfg.prompts_per_iteration * cfg.group_size, **settings)
+    record.update({"knapsack/budget_min": min(budgets), "knapsack/budget_max": max(budgets)})
+    return budgets
+
+
+def real_leaves(tree: Any) -> Tensor:
+    """[P, L] bool: the slots of `tree.leaves` that hold a sample (False: padding of a ragged group)."""
+    return tree.leaves >= 0
+
+
+def join(trees: list[Any], width: int) -> Any:
+    """concat_trees of ragged rollouts: every tree's leaves (and leaf images) padded to `width` slots, padding -1."""
+    from pipelines.rollout import concat_trees
+
+    def pad(t: Tensor, fill: float) -> Tensor:
+        extra = width - t.shape[1]
+        return torch.cat([t, t.new_full((t.shape[0], extra, *t.shape[2:]), fill)], 1) if extra else t
+
+    real = torch.cat([pad(real_leaves(t), False) for t in trees])
+    padded = [
+        replace(
+            t,
+            leaves=pad(t.leaves.clamp_min(0), 0),  # any node id: concat_trees offsets it, the mask below resets it
+            leaf_images=None if t.leaf_images is None else pad(t.leaf_images, 0),
+        )
+        for t in trees
+    ]
+    joined = concat_trees(padded)
+    return replace(joined, leaves=joined.leaves.masked_fill(~real, -1))
+
+
+def spread(values: Tensor, real: Tensor) -> Tensor:
+    """Rewards of the real samples [n, K] laid out on the slots [P * L, K] (NaN: padding, never scored)."""
+    out = values.new_full((real.numel(), *values.shape[1:]), float("nan"))
+    out[real.reshape(-1)] = values
+    return out
+
+
+def grid_images(images: Tensor, real: Tensor) -> Tensor:
+    """The real samples' images [n, ...] as one row per group [P * L, ...] (padding black) for the rollout grid."""
+    out = images.new_zeros((real.numel(), *images.shape[1:]))
+    out[real.reshape(-1)] = images
+    return out
