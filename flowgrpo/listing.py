@@ -68,7 +68,7 @@ SECTIONS: tuple[Section, ...] = (
         "text methods",
         "flowgrpo.text.methods",
         "METHODS",
-        ("flowgrpo.text.grpo",),
+        ("flowgrpo.text.grpo", "flowgrpo.text.tppo"),
         ("flowgrpo.text.config", "TextConfig"),
     ),
     Section("text_rewards", "text reward functions", "flowgrpo.text.reward_functions", "REWARDS"),
@@ -115,7 +115,7 @@ def entries(sections: Iterable[Section]) -> Iterator[Item]:
             if not settings and inspect.isclass(target):
                 settings = class_settings(target)
             if not settings and config is not None:
-                settings = _config_section(config, name)
+                settings = _config_section(config, getattr(target, "config_section", name))
             yield Item(section, name, _doc(target) or doc, settings)
 
 

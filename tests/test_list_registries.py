@@ -32,7 +32,7 @@ KNOWN = {
     "sigma_grids": ["time_shift"],
     "methods": ["grpo", "nft"],
     "wrappers": ["adversarial"],
-    "text_methods": ["grpo"],
+    "text_methods": ["grpo", "tppo"],
     "text_rewards": ["math_answer"],
     "scorers": ["brightness", "pickscore"],
     "families": ["sd3", "flux"],

@@ -345,5 +345,6 @@ bound_settings(PROMPT_SAMPLERS, "ban_saturated", std_below=NON_NEGATIVE)  # Edit
 bound_settings(ESTIMATORS, "egae", gamma=PROBABILITY, lam=PROBABILITY)
 bound_settings(
     ESTIMATORS, "spae", saturation=PROBABILITY, saturation_weight=PROBABILITY, shaping_coef=NON_NEGATIVE,
-    shaping_clip=POSITIVE, eps=EPS,
+    shaping_clip=POSITIVE, eps=EPS, probe_batch_size=count(0), probe_samples=count(0), probe_temperature=POSITIVE,
+    probe_max_tokens=count(1),
 )  # fmt: skip

@@ -12,9 +12,9 @@ finished responses, towards their returns A_t + V(s_t) (`value_targets` marks wh
 
 This is an estimator over a `TokenValueBatch` (a `GroupBatch` with the critic's values): per-token rewards in
 `step_rewards` [P, G, T] (0 but at a finished response's last token), the token mask in `step_mask`, `values`
-[P, G, T] = V(s_t), `last_value` [P, G] = V(s_l) and `finished` [P, G]. The text trainer has no critic (a value head
-and its loss are not part of the GRPO family it runs), so it cannot run this estimator yet; the tests check it
-against a float64 loop.
+[P, G, T] = V(s_t), `last_value` [P, G] = V(s_l) and `finished` [P, G]. The text trainer runs it with `method: tppo`
+(flowgrpo/text/tppo.py: the critic's values, per-token rewards, the critic's update on `value_targets`;
+flowgrpo/text/critic.py: the value model); the tests check it against a float64 loop.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def egae(batch: GroupBatch, *, gamma: float = 1.0, lam: float = 0.95, whiten: bo
     if not isinstance(batch, TokenValueBatch):
         raise ValueError(
             "advantage estimator 'egae' needs per-token critic values (a TokenValueBatch with values, last_value and "
-            "finished); the text trainer has no value head"
+            "finished); in the text trainer it runs with method tppo, whose critic gives them"
         )
     if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
         raise ValueError(f"egae: gamma and lam must lie in [0, 1], got gamma={gamma}, lam={lam}")

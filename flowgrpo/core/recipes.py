@@ -83,4 +83,14 @@ RECIPES: dict[str, dict[str, Any]] = {
     # Knapsack RL (arXiv 2509.25849, paper only; knapsack.py): GRPO on ragged groups, each prompt's rollouts from a
     # knapsack over the prompts' learning value, 2..32 per prompt (bounds ours), the DAPO loss (ours)
     "knapsack": _recipe({"name": "grpo"}, {"preset": "dapo"}, sampling={"name": "knapsack", "low": 2, "high": 32}),
+    # SPAE (cii030/SPAE-RL README @ 98b2f46, probe example @ 1f8c839; spae.py): per-step advantages from the
+    # teacher-forced probes (text/step_probe.py) at the source's ".\n\n" steps; the DAPO loss (ours: the source
+    # trains on verl with DAPO-Math-17k, its loss settings are not public)
+    "spae": _recipe({"name": "spae"}, {"preset": "dapo"}),
+    # T-PPO (arXiv 2506.15050, paper only; egae.py): Extended GAE from a critic, gamma 1 / lambda 0.95 (ours, the
+    # paper's are not recovered), PPO's clip 0.2 with a token mean. Needs `method: tppo` (configs/text/tiny_tppo.yaml)
+    "tppo": _recipe(
+        {"name": "egae", "gamma": 1.0, "lam": 0.95},
+        {"bounds": {"name": "symmetric", "eps": 0.2}, "aggregation": "token_mean"},
+    ),
 }

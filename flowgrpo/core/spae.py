@@ -23,8 +23,12 @@ g = clip(Delta Phi, -`shaping_clip`, `shaping_clip`) (1.0, ours); xi = `shaping_
 GRPO's group z-score of the outcome reward.
 
 The estimator `spae` reads the outcome rewards and the step potentials (`step_rewards` [P, G, S], `step_mask`) and
-gives one advantage per step ("step" level); spreading them over each step's tokens (`token_steps`) and running
-the probes are a trainer's work that the text trainer does not do yet (it trains one advantage per completion).
+gives one advantage per step ("step" level). Running the probes and spreading the step advantages over each step's
+tokens (`token_steps`) are the text trainer's work (flowgrpo/text/step_probe.py, called by method `grpo`); its probe
+teacher-forces the gold answer by default, or samples N continuations as the source does (see that module). The
+probe's settings (`boundary`, `think_end`, `probe_suffix`, `answer_column`, `probe_batch_size`, `probe_samples`,
+`probe_temperature`, `probe_max_tokens`) are settings of the estimator, so that a config states them in one place
+and `flowgrpo list` shows them; neither the estimator nor the image trainer (whose probes are its plan's) reads them.
 """
 
 from __future__ import annotations
@@ -64,13 +68,20 @@ def token_steps(length: int, ends: Sequence[int]) -> Tensor:
     return steps
 
 
-def probe_scores(gold_logprob: Tensor, entropy: Tensor) -> tuple[Tensor, Tensor]:
+def probe_scores(gold_logprob: Tensor, entropy: Tensor, valid: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(acc, conf) of one probe point from N continuations over the gold answer's K tokens ([..., N, K] each): the
-    source's per-continuation exp(sum log p(gold)) / K and exp(-sum H) / K, averaged over the N continuations."""
-    K = gold_logprob.shape[-1]
-    acc = (gold_logprob.double().sum(-1).exp() / K).mean(-1)
-    conf = ((-entropy.double().sum(-1)).exp() / K).mean(-1)
-    return acc, conf
+    source's per-continuation exp(sum log p(gold)) / K and exp(-sum H) / K, averaged over the N continuations.
+
+    `valid` [..., N, K]: the positions each continuation reached (the source reads min(K, its length) of them and
+    divides by that count; a continuation that reached none adds 0 to both means)."""
+    lp, H = gold_logprob.double(), entropy.double()
+    if valid is None:
+        valid = torch.ones_like(lp, dtype=torch.bool)
+    n = valid.sum(-1)
+    zero = torch.zeros_like(lp)
+    acc = torch.where(n > 0, torch.where(valid, lp, zero).sum(-1).exp() / n.clamp_min(1), torch.zeros_like(lp[..., 0]))
+    conf = torch.where(n > 0, (-torch.where(valid, H, zero).sum(-1)).exp() / n.clamp_min(1), torch.zeros_like(acc))
+    return acc.mean(-1), conf.mean(-1)
 
 
 def step_potential(acc: Tensor, conf: Tensor) -> Tensor:
@@ -94,9 +105,24 @@ def spae(
     shaping_coef: float = 0.1,
     shaping_clip: float = 1.0,
     eps: float = 1e-4,
+    boundary: str = ".\n\n",
+    think_end: str = "</think>",
+    probe_suffix: str = PROBE,
+    answer_column: Optional[str] = None,
+    probe_batch_size: int = 0,
+    probe_samples: int = 0,
+    probe_temperature: float = 0.6,
+    probe_max_tokens: int = 10,
 ) -> AdvantageResult:
     """SPAE: A_k = A^Group f(Phi_k) + xi clip(Delta Phi_k), per reasoning step; f shrinks positive outcome credit
-    after the potential first reaches `saturation` (f, g and xi reconstructed). step_rewards = step potentials."""
+    after the potential first reaches `saturation` (f, g and xi reconstructed). step_rewards = step potentials.
+
+    The text trainer's probe reads the last eight (flowgrpo/text/step_probe.py): a step ends at a token whose text
+    ends with `boundary`, before the token `think_end`; the probe appends `probe_suffix` and reads the gold answer
+    (the data's `answer_column`; None: the task's own) teacher-forced (`probe_samples` 0), or along
+    `probe_samples` continuations sampled at `probe_temperature`, `probe_max_tokens` long (the source: 5, 0.6, 10);
+    `probe_batch_size` probe sequences per forward or generate call (0: the trainer's log-prob batch size, or
+    generation.batch_size when sampled)."""
     if not 0.0 <= saturation_weight <= 1.0:
         raise ValueError(f"spae: saturation_weight must lie in [0, 1], got {saturation_weight}")
     if shaping_clip <= 0:

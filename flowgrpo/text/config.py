@@ -19,6 +19,7 @@ from ..core.advantages import ESTIMATORS
 from ..core.prompt_state import PROMPT_SAMPLERS, STATEFUL_ESTIMATORS
 from ..guards import GuardConfig
 from ..run.config import CheckpointConfig, OptimConfig, RatioCheckConfig, UpdateConfig
+from .critic import CriticConfig
 from .methods import METHODS
 
 # estimators whose advantage needs no other sample of the group
@@ -287,6 +288,7 @@ class TextConfig(StrictModel):
     rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
     ratio_check: TextRatioCheckConfig = Field(default_factory=TextRatioCheckConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)  # method tppo's value model (text/critic.py)
     guards: GuardConfig = Field(default_factory=GuardConfig)  # non-finite rewards / gradients (flowgrpo.guards)
     resume: bool = False
     progress: bool = True
@@ -320,7 +322,10 @@ class TextConfig(StrictModel):
             raise ValueError(problem)
         est = self.advantage.estimator.name
         reads = ESTIMATORS.get(est).reads  # what the estimator reads, from its registry entry
-        if reads != "final":
+        # SPAE: method grpo runs its step probes (text/step_probe.py); egae: method tppo's critic (text/tppo.py)
+        if est == "egae" and self.method != "tppo":
+            raise ValueError("advantage estimator 'egae' needs a critic's values: set method: tppo (recipe tppo)")
+        if reads != "final" and est not in ("spae", "egae"):
             raise ValueError(
                 f"advantage estimator '{est}' reads {reads} (an image rollout's); the text trainer gives it each "
                 "completion's final reward and uses one advantage per completion"

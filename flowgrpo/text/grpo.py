@@ -46,6 +46,7 @@ from .generation import Rollout
 from .logprobs import TokenLogprobs, micro_logprobs, sampler_deviation, shared_prompt_deviation
 from .methods import METHODS, TextContext
 from .rollout_correction import correction_weights, mismatch_metrics
+from .step_probe import build_step_probe, reads_step_potentials
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +152,9 @@ class TextGRPOMethod(Method):
         if cfg.generation.mask_truncated:
             mask &= ~rollout.truncated.unsqueeze(1)
         advantages = self._action_advantages(adv, rollout)
-        sample_weight = adv.sample_weight.reshape(N, 1).expand(mask.shape).clone()
+        # step / token levels weigh [P, G, S]: a completion's steps are all valid or none (the token mask is the mask's)
+        weight = adv.sample_weight.amax(-1) if adv.sample_weight.dim() > 2 else adv.sample_weight
+        sample_weight = weight.reshape(N, 1).expand(mask.shape).clone()
         # the order of every pass, fixed up front: the on-policy check needs the first rows trained on
         minis = [self._mini_batches(N, rollout.group_size, it) for it in range(cfg.train.inner_epochs)]
 
@@ -206,11 +209,17 @@ class TextGRPOMethod(Method):
         return PreparedBatch(rollout, full, logp_old is not None, entropy, vocab_mean_old, plan, checked_at, check_logp)
 
     def _advantage_inputs(self, groups: Any, rollout: Any, record: dict[str, Any], counts: dict[str, int]) -> Any:
-        """The estimator's input; a method that feeds more (a critic's values, step potentials) extends it."""
-        return groups
+        """The estimator's input; a method that feeds more (a critic's values) extends it. SPAE: + each completion's
+        step potentials from the probes (flowgrpo/text/step_probe.py)."""
+        if not reads_step_potentials(self.ctx.cfg):
+            return groups
+        self.step_probe = getattr(self, "step_probe", None) or build_step_probe(self.ctx)
+        return self.step_probe.inputs(groups, rollout, record, counts)
 
     def _action_advantages(self, adv: Any, rollout: Any) -> torch.Tensor:
         """Advantages per completion [N] (or per token [N, T] where a method maps finer levels onto tokens)."""
+        if adv.level == "step" and reads_step_potentials(self.ctx.cfg):  # SPAE: each token its step's advantage
+            return self.step_probe.token_advantages(adv, rollout)
         if adv.level != "sample":
             raise ValueError(
                 f"advantage estimator '{self.ctx.cfg.advantage.estimator.name}' gives {adv.level}-level "

@@ -23,6 +23,8 @@ class TextContext(MethodContext):
     rewards: Any = None  # the configured reward functions (flowgrpo.text.reward_functions), in config order
     device: Any = None  # where the policy's forward runs
     prompt_state: Any = None  # the run's per-prompt state (flowgrpo.core.prompt_state.PromptTable), if a part reads it
+    tokenizer: Any = None  # the policy's tokenizer
+    data: Any = None  # the run's prompts (flowgrpo.text.data.load_prompts: rows with their gold answers)
 
 
 def build_method(ctx: TextContext) -> Any:

@@ -28,7 +28,7 @@ from ..config import ConfigError
 from ..metrics import TIME_KEY
 from ..scaling.sharding import ShardingError, enable_activation_checkpointing, full_state
 from ..run import CheckpointParts, OptimizerStep, PromptSampler, RunLoop, build_optimizer
-from . import grpo  # noqa: F401  (registers the method)
+from . import grpo, tppo  # noqa: F401  (register the methods)
 from .collect import Collector
 from .config import RENAMED_KEYS, TextConfig
 from .data import load_prompts
@@ -118,7 +118,7 @@ class TextGRPOTrainer(RunLoop):
             TextContext(
                 cfg=cfg, dist=self.dist, optimizer_step=self.optimizer_step, params=self.params,
                 reference=self.reference, completed=lambda: self.iteration, model=self.model, rewards=self.rewards,
-                device=self.device, prompt_state=self.prompt_state,
+                device=self.device, prompt_state=self.prompt_state, tokenizer=self.tokenizer, data=self.data,
             )
         )  # fmt: skip
         if cfg.resume:

@@ -60,3 +60,17 @@ def test_spae_needs_outcome_rewards_and_step_potentials():
             GroupBatch(rewards=torch.zeros(1, 2), step_rewards=torch.zeros(1, 2, 3)),
             AdvantageConfig(estimator=PartSpec(name="spae", settings={"saturation_weight": 2.0})),
         )
+
+
+def test_probe_scores_read_only_the_positions_a_continuation_reached():
+    """The source divides by min(K, the continuation's length) and counts a continuation that reached no position
+    as 0 in both means (probe_mechanism_example.py: `valid_sample_count`, `acc /= num_samples`)."""
+    lp = torch.tensor([[-0.1, -0.2], [-1.0, -10.0], [-0.3, -0.3]], dtype=torch.float64)
+    H = torch.tensor([[0.2, 0.1], [0.9, 0.4], [0.0, 0.5]], dtype=torch.float64)
+    valid = torch.tensor([[True, True], [True, False], [False, False]])
+    acc, conf = probe_scores(lp, H, valid)
+    want_acc = (math.exp(-0.3) / 2 + math.exp(-1.0) / 1 + 0.0) / 3
+    want_conf = (math.exp(-0.3) / 2 + math.exp(-0.9) / 1 + 0.0) / 3
+    assert float(acc) == pytest.approx(want_acc) and float(conf) == pytest.approx(want_conf)
+    full = probe_scores(lp, H, torch.ones_like(valid))
+    assert [float(x) for x in full] == [float(x) for x in probe_scores(lp, H)]  # no mask = every position
