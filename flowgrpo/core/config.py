@@ -339,7 +339,8 @@ bound_settings(BOUNDS, "etr", eps_low=PROBABILITY, eps_high=NON_NEGATIVE, alpha=
                a_max=POSITIVE)  # fmt: skip
 bound_settings(ESTIMATORS, "rover", eps=EPS)
 bound_settings(SURROGATES, "rover", temperature=POSITIVE)
-bound_settings(STEP_WEIGHTINGS, "thr", top_frac=FRACTION)
+bound_settings(STEP_WEIGHTINGS, "thr", p=between(-1, 1), select=one_of(*thr.SELECTIONS), beta=FINITE, top_frac=FRACTION,
+               mode=one_of(*thr.MODES))  # fmt: skip
 bound_settings(PROMPT_SAMPLERS, "knapsack", low=count(1), high=count(1), unknown=PROBABILITY)
 bound_settings(PROMPT_SAMPLERS, "ban_saturated", std_below=NON_NEGATIVE)  # Edit-R1's ban (group_filter.py)
 bound_settings(ESTIMATORS, "egae", gamma=PROBABILITY, lam=PROBABILITY)

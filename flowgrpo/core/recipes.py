@@ -70,14 +70,15 @@ RECIPES: dict[str, dict[str, Any]] = {
     # ROVER (yuxiaooye/ROVER Math/scripts/deepscaler/train/rover_qwen3_8b.sh; rover.py): GRPO-normalised centred
     # reward as the target of the relative log-prob, squared error, token mean, rover_t 1
     "rover": _recipe({"name": "rover", "std_normalize": True}, {"surrogate": "rover", "aggregation": "token_mean"}),
-    # THR (arXiv 2510.03669, paper only; thr.py): the GRPO loss with the top 20 % of tokens by |THR| (a proxy)
-    # reweighted by 1 + 0.1 sign(THR), exploitation (p and top_frac ours)
+    # THR (arXiv 2510.03669, paper only; thr.py): the GRPO loss (clip 0.2) with each group's dominant tokens (|s| over
+    # NTHR's anchor threshold, beta 1; s a proxy of the influence) reweighted by 1 + 0.1 sign(THR), exploitation
+    # (p ours: the paper's values were not recovered)
     "thr": _recipe(
         {"name": "grpo"},
         {
             "bounds": {"name": "symmetric", "eps": 0.2},
             "aggregation": "seq_mean_token_mean",
-            "step_weighting": {"name": "thr", "p": 0.1, "top_frac": 0.2},
+            "step_weighting": {"name": "thr", "p": 0.1, "select": "tau", "beta": 1.0},
         },
     ),
     # Knapsack RL (arXiv 2509.25849, paper only; knapsack.py): GRPO on ragged groups, each prompt's rollouts from a
