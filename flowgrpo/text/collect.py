@@ -6,14 +6,15 @@ gets the whole batch back in chunk order. With `rollout_split: k` each chunk is 
 dropped and more prompts are generated, for a bounded number of extra rounds. With `prompt_sampling: knapsack`
 (Knapsack RL, flowgrpo/core/knapsack.py) prompt i gets its own budget N_i from the prompt table (the same on every
 rank), is sampled as a chunk of its own, and its group is padded to the step's largest N_i with masked rows
-(`Rollout.valid`, NaN rewards), so every estimator normalises each prompt within its own N_i samples.
+(`Rollout.valid`, NaN rewards), so every estimator normalises each prompt within its own N_i samples. With T-PPO's
+`critic.window` the step's rows are windows of carried-over streams instead (flowgrpo/text/windows.py).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -29,6 +30,7 @@ from .config import TextConfig
 from .data import PromptData
 from .generation import Rollout, prompts_per_call
 from .reward_functions import RewardFunction, RewardScores, score_completions
+from .windows import Windows
 
 
 @dataclass
@@ -97,6 +99,41 @@ class Collector:
                     f"prompt_sampling {sampling.name}: ragged groups go without dynamic_sampling and rollout_split "
                     "(and need the run's prompt state)"
                 )
+        window = cfg.critic.window if cfg.method == "tppo" else None
+        self.windows = Windows(cfg, window) if window is not None else None
+
+    def checkpoint_parts(self, parts: Any) -> None:
+        """T-PPO's stream pool (`critic.window`), exact (tensors); nothing otherwise."""
+        if self.windows is not None:
+            parts.tensors["tppo_streams"] = self.windows.pool.state_dict()
+
+    def restore(self, ckpt: Any) -> None:
+        if self.windows is not None:
+            if "tppo_streams" not in ckpt.tensors:
+                raise ValueError(
+                    "resume: the checkpoint has no T-PPO stream pool (it was written without critic.window)"
+                )
+            self.windows.pool.load_state_dict(ckpt.tensors["tppo_streams"])
+            self.windows.restored = True
+
+    def _gathered(self, work: Callable[[int], Any], n_chunks: int) -> list[Any]:
+        """work(c) of this rank's chunks c, every rank's results in chunk order on every rank; a failure on any rank
+        stops every rank with its reason."""
+        local: list[tuple[int, Any]] = []
+        failure = None
+        try:
+            local = [(c, work(c)) for c in self.dist.my_chunks(n_chunks)]
+        except Exception as err:
+            if not self.dist.active:
+                raise
+            failure = err
+            local = [(-1, f"rank {self.dist.rank}: {type(err).__name__}: {err}")]
+        parts = sorted(self.dist.gather_objects(local), key=lambda item: item[0])
+        if failure is not None:
+            raise failure
+        if failed := [msg for c, msg in parts if c < 0]:
+            raise RuntimeError("generation or scoring failed on another rank: " + "; ".join(failed))
+        return [item for _, item in parts]
 
     def _score(self, rollout: Rollout, step: int) -> RewardScores:
         rows = [self.data.rows[int(i)] for i in rollout.prompt_index]
@@ -177,6 +214,8 @@ class Collector:
 
     def collect(self, record: dict[str, Any], step: int) -> Optional[ScoredBatch]:
         """Generate and score P groups; with dynamic sampling, keep only groups whose rewards vary (None: none)."""
+        if self.windows is not None:
+            return self._collect_windows(record, step)
         ds = self.cfg.dynamic_sampling
         P, G = self.cfg.prompts_per_iteration, self.cfg.group_size
         kept_r, kept_s = [], []
@@ -237,3 +276,15 @@ class Collector:
         rollout = Rollout.concat(kept_r, self.generator.pad_id)
         values = torch.cat([s.values for s in kept_s])
         return ScoredBatch(rollout, RewardScores(values, nones, errors))
+
+    def _collect_windows(self, record: dict[str, Any], step: int) -> ScoredBatch:
+        """T-PPO's windows of the stream pool (flowgrpo/text/windows.py) as the step's batch."""
+        assert self.windows is not None
+        rollout, scores, t_gen, t_rew = self.windows.collect(self, record, step)
+        record.update({"time_rollout_s": self.dist.max(t_gen), "time_reward_s": self.dist.max(t_rew),
+                       "count/generated_groups": self.cfg.prompts_per_iteration,
+                       "reward_calls": len(self.rewards)})  # fmt: skip
+        for r, n, e in zip(self.rewards, scores.none_counts, scores.error_counts):
+            record[f"rewards/{r.name}/none_count"] = n
+            record[f"rewards/{r.name}/error_count"] = e
+        return ScoredBatch(rollout, scores)

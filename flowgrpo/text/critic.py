@@ -11,7 +11,9 @@ V(s_t) for t < l is the head's output at the position before completion token t 
 V(s_l) the output at the last token (the value at the cut). The update is PPO's value loss on the targets of
 `flowgrpo.core.egae.value_targets` (finished responses only): 0.5 max((V - R)^2, (V_clip - R)^2) with
 V_clip = V_old + clip(V - V_old, -value_clip, value_clip), a token mean over each mini-batch, times `value_coef`,
-then gradient clipping and its own AdamW (constant learning rate). The critic always runs in eval mode (no dropout).
+then its own optimizer step (flowgrpo.run.optim.OptimizerStep: gradients summed over ranks, clipped, AdamW at a
+constant learning rate, a NaN / inf norm skipped) through the shared update loop (flowgrpo.run.update), micro-batch k
+of each mini-batch on rank k % world_size as the policy's. The critic always runs in eval mode (no dropout).
 """
 
 from __future__ import annotations
@@ -25,6 +27,13 @@ from pydantic import Field
 from torch import Tensor
 
 from ..core import StrictModel
+from ..distributed import Distributed
+from ..guards import GuardConfig, NonFiniteGuard
+from ..run.optim import OptimizerStep
+from ..run.update import MiniBatch, MicroLoss, run_update
+from .inputs import trimmed_inputs
+
+PAD_ROWS = torch.zeros(1, dtype=torch.long)  # the row a lockstep run's padding passes run on
 
 
 class CriticConfig(StrictModel):
@@ -41,18 +50,9 @@ class CriticConfig(StrictModel):
     epochs: int = Field(1, ge=1)  # passes over the finished responses per step
     mini_batches: int = Field(1, ge=1)  # optimizer steps per pass
     micro_batch_size: Optional[int] = Field(None, ge=1)  # sequences per forward (default train.micro_batch_size)
-
-
-def critic_inputs(rollout: Any, rows: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
-    """ids, attention mask, position ids of `rows` (prompt columns that are padding in every row dropped,
-    completions cut to the longest), and that completion width; as the policy's log-prob forward trims them."""
-    pmask = rollout.prompt_mask[rows]
-    cmask = rollout.completion_mask[rows]
-    keep_from = int((pmask.sum(0) > 0).float().argmax()) if bool(pmask.any()) else pmask.shape[1] - 1
-    width = max(int(cmask.sum(1).max()), 1)
-    ids = torch.cat([rollout.prompt_ids[rows, keep_from:], rollout.completion_ids[rows, :width]], 1)
-    attn = torch.cat([pmask[:, keep_from:], cmask[:, :width].long()], 1)
-    return ids, attn, (attn.cumsum(1) - 1).clamp_min(0), width
+    # T-PPO's windows: each step generates at most `window` tokens per stream and continues the unfinished ones next
+    # step (flowgrpo/text/windows.py); None: every response is generated whole (up to generation.max_new_tokens)
+    window: Optional[int] = Field(None, ge=1)
 
 
 def _backbone_state(policy: Any) -> dict[str, Tensor]:
@@ -112,13 +112,19 @@ def build_critic(policy: Any, cfg: CriticConfig, lora: Any, device: torch.device
 
 
 class Critic:
-    """The value model, its AdamW and its loss."""
+    """The value model, its AdamW, its optimizer step and its loss."""
 
-    def __init__(self, model: Any, cfg: CriticConfig, micro_batch_size: int) -> None:
+    def __init__(
+        self, model: Any, cfg: CriticConfig, micro_batch_size: int, dist: Optional[Distributed] = None
+    ) -> None:
         self.model, self.cfg = model, cfg
+        self.dist = dist or Distributed()
         self.micro = cfg.micro_batch_size or micro_batch_size
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True)
+        # its own guard: a NaN / inf critic gradient skips the critic's step only (counted in critic/skipped_steps)
+        self.guard = NonFiniteGuard(GuardConfig())
+        self.step = OptimizerStep(self.params, self.optimizer, cfg.max_grad_norm, self.dist, guard=self.guard)
         self.device = next(model.parameters()).device
 
     def state(self) -> dict[str, Tensor]:
@@ -127,7 +133,7 @@ class Critic:
 
     def forward(self, rollout: Any, rows: Tensor) -> Tensor:
         """V [n, Tc + 1] of `rows`: column t is V(s_t), the state after t completion tokens; 0 beyond the width."""
-        ids, attn, pos, width = critic_inputs(rollout, rows)
+        ids, attn, pos, width = trimmed_inputs(rollout, rows)
         out = self.model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device),
                          position_ids=pos.to(self.device), use_cache=False)  # fmt: skip
         values = out.logits[:, -(width + 1) :, 0].float()
@@ -135,13 +141,15 @@ class Critic:
 
     @torch.no_grad()
     def values(self, rollout: Any) -> tuple[Tensor, Tensor]:
-        """(V(s_t) [N, Tc] of every token, V(s_l) [N] at each completion's cut), on CPU, no grad; the padding rows
-        of ragged groups read 0."""
+        """(V(s_t) [N, Tc] of every token, V(s_l) [N] at each completion's cut), on CPU, no grad: row block b on
+        rank b % world_size, gathered on every rank; the padding rows of ragged groups read 0."""
         N, Tc = rollout.completion_ids.shape
         real = torch.arange(N) if rollout.valid is None else rollout.valid.nonzero()[:, 0]
+        blocks = list(real.split(self.micro))
+        local = [(b, self.forward(rollout, blocks[b]).cpu()) for b in self.dist.my_chunks(len(blocks))]
         full = torch.zeros(N, Tc + 1)
-        for rows in real.split(self.micro):
-            full[rows] = self.forward(rollout, rows).cpu()
+        for b, v in self.dist.gather_objects(local):
+            full[blocks[b]] = v
         last = full.gather(1, rollout.completion_mask.sum(1, keepdim=True)).squeeze(1)
         return full[:, :Tc], last
 
@@ -149,7 +157,8 @@ class Critic:
         self, rollout: Any, old: Tensor, targets: Tensor, mask: Tensor, order: list[list[Tensor]]
     ) -> dict[str, float]:
         """Value-loss steps on the tokens of `mask` [N, Tc] (targets, rollout-time values `old` [N, Tc]); `order`:
-        per epoch, each mini-batch's rows (the caller seeds it). Metrics `critic/...`."""
+        per epoch, each mini-batch's rows (the caller seeds it). A mini-batch without target tokens takes no step;
+        micro-batch k of a mini-batch runs on rank k % world_size. Metrics `critic/...`."""
         rows_with = mask.any(1)
         out: dict[str, float] = {"critic/target_tokens": float(mask.sum())}
         if not bool(rows_with.any()):
@@ -158,54 +167,48 @@ class Critic:
         var = float(R.var(unbiased=False)) if R.numel() > 1 else 0.0
         out["critic/explained_var"] = 1 - float((R - V).var(unbiased=False)) / var if var > 0 else math.nan
         out["critic/value_mean"], out["critic/return_mean"] = float(V.mean()), float(R.mean())
-        losses, clipped, norms, skipped, rows_run = [], 0.0, [], 0, 0
-        for epoch in order:
-            for mini in epoch:
-                mini = mini[rows_with[mini]]
-                tokens = int(mask[mini].sum())
-                if not tokens:
-                    continue
-                total = 0.0
-                for micro in mini.split(self.micro):
-                    loss, frac = self._micro_loss(rollout, micro, old, targets, mask, tokens)
-                    loss.backward()  # type: ignore[no-untyped-call]
-                    total += float(loss.detach())
-                    clipped += frac
-                    rows_run += micro.numel()
-                norm = self._step()
-                if math.isfinite(norm):
-                    norms.append(norm)
-                else:
-                    skipped += 1
-                losses.append(total)
-        out.update({"critic/loss": sum(losses) / max(len(losses), 1), "critic/nfe_grad": float(rows_run),
-                    "critic/clip_frac": clipped / max(float(mask.sum()) * len(order), 1.0),
-                    "critic/optimizer_steps": float(len(norms)), "critic/skipped_steps": float(skipped)})  # fmt: skip
+        # every rank holds the whole mask: the same mini-batches, token counts and micro-batches everywhere
+        plan = [[m for m in (mini[rows_with[mini]] for mini in epoch) if m.numel()] for epoch in order]
+        W, rank = self.dist.world_size, self.dist.rank
+        passes = (
+            (MiniBatch([m for k, m in enumerate(mini.split(self.micro)) if k % W == rank], int(mask[mini].sum()))
+             for mini in epoch)
+            for epoch in plan
+        )  # fmt: skip
+
+        def micro_loss(micro: Tensor, tokens: int, on_policy: bool) -> MicroLoss:
+            loss, clipped, own = self._micro_loss(rollout, micro, old, targets, mask, tokens)
+            # "loss/": summed over micro-batches and ranks, per step; the clipped share weighs by tokens
+            return MicroLoss(loss, {"loss/critic": float(loss.detach()), "critic/clip_frac": clipped / own}, own)
+
+        self.step.begin()
+        skipped = self.guard.skipped_steps
+        steps = sum(len(epoch) for epoch in plan)
+        # a lockstep launch (FSDP2 / ZeRO) would pad with this pass; method tppo refuses those launches
+        result = run_update(passes, micro_loss, lambda _: self.forward(rollout, PAD_ROWS).sum(), self.step, self.dist)
+        metrics = result.metrics.result(steps)
+        norms = [n for n in self.step.norms if math.isfinite(n)]
+        out.update({"critic/loss": metrics["loss/critic"], "critic/clip_frac": metrics["critic/clip_frac"],
+                    "critic/nfe_grad": float(sum(int(m.numel()) for epoch in plan for m in epoch)),
+                    "critic/optimizer_steps": float(len(norms)),
+                    "critic/skipped_steps": float(self.guard.skipped_steps - skipped)})  # fmt: skip
         if norms:
             out["critic/grad_norm"] = sum(norms) / len(norms)
         return out
 
     def _micro_loss(
         self, rollout: Any, micro: Tensor, old: Tensor, targets: Tensor, mask: Tensor, tokens: int
-    ) -> tuple[Tensor, float]:
-        """This micro-batch's share of the mini-batch's token-mean value loss, and how many tokens were clipped."""
+    ) -> tuple[Tensor, float, int]:
+        """This micro-batch's share of the mini-batch's token-mean value loss, how many of its tokens were clipped,
+        and how many it has."""
         m = mask[micro].to(self.device)
         v = self.forward(rollout, micro)[:, :-1]
         r, v_old = targets[micro].to(self.device).float(), old[micro].to(self.device).float()
         err = (v - r) ** 2
-        frac = 0.0
+        clipped = 0.0
         if self.cfg.value_clip is not None:
             v_clip = v_old + (v - v_old).clamp(-self.cfg.value_clip, self.cfg.value_clip)
             err_clip = (v_clip - r) ** 2
-            frac = float(((err_clip > err) & m).sum())
+            clipped = float(((err_clip > err) & m).sum())
             err = torch.maximum(err, err_clip)
-        return self.cfg.value_coef * 0.5 * (err * m).sum() / tokens, frac
-
-    def _step(self) -> float:
-        """Clip, AdamW, zero; a NaN / inf gradient norm skips the step (weights and moments unchanged)."""
-        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else math.inf
-        norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-        if math.isfinite(norm):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm
+        return self.cfg.value_coef * 0.5 * (err * m).sum() / tokens, clipped, int(m.sum())

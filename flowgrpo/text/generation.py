@@ -247,10 +247,14 @@ class TransformersGenerator:
         prompt_index: Sequence[int],
         group_size: Optional[int] = None,
         seed: Optional[int] = None,
+        max_new_tokens: Optional[int] = None,
     ) -> Rollout:
+        """G completions of each prompt; `max_new_tokens`: this call's limit instead of the configured one (T-PPO's
+        windows, flowgrpo/text/windows.py)."""
         from transformers import LogitsProcessorList
 
         G = group_size or self.group_size
+        self.hf_config.max_new_tokens = max_new_tokens or self.cfg.max_new_tokens
         per_call = prompts_per_call(self.cfg, G)
         device = next(self.model.parameters()).device
         parts = []

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from .generation import Rollout
+from .inputs import trimmed_inputs
 
 
 @dataclass(frozen=True)
@@ -33,16 +34,6 @@ class TokenLogprobs:
     logp: Tensor  # [n, Tc] log-probs of the completion tokens; zero past each row's width
     entropy: Optional[Tensor] = None  # [n, Tc] entropies (same padding), None when not computed
     vocab_mean: Optional[Tensor] = None  # [n, Tc] mean over the vocabulary of the log-softmax (ROVER), no grad
-
-
-def _trimmed_inputs(rollout: Rollout, rows: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
-    pmask = rollout.prompt_mask[rows]
-    cmask = rollout.completion_mask[rows]
-    keep_from = int((pmask.sum(0) > 0).float().argmax()) if bool(pmask.any()) else pmask.shape[1] - 1
-    width = max(int(cmask.sum(1).max()), 1)
-    ids = torch.cat([rollout.prompt_ids[rows, keep_from:], rollout.completion_ids[rows, :width]], 1)
-    attn = torch.cat([pmask[:, keep_from:], cmask[:, :width].long()], 1)
-    return ids, attn, (attn.cumsum(1) - 1).clamp_min(0), width
 
 
 def _shared_prompt_logits(
@@ -113,7 +104,7 @@ def micro_logprobs(
         logits, width = _shared_prompt_logits(model, rollout, rows, prompts, where, device)
         logits = logits.float()
     else:
-        ids, attn, pos, width = _trimmed_inputs(rollout, rows)
+        ids, attn, pos, width = trimmed_inputs(rollout, rows)
         out = model(
             input_ids=ids.to(device),
             attention_mask=attn.to(device),

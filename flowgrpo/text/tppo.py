@@ -8,9 +8,11 @@ from a critic (flowgrpo/text/critic.py), then the critic's own update.
                  -> the GRPO method's update (old / reference log-probs, clipped token-level loss, its passes)
                  -> the critic's value loss on the returns A_t + V(s_t) of finished responses only
 
-T-PPO generates in windows and carries the unfinished responses into the next step; here a step's generation ends
-at `generation.max_new_tokens` (the window) and an unfinished response is trained on with its bootstrapped value
-but not continued later (the generation backends have no way to resume a partial completion).
+With `critic.window: W` a step generates at most W tokens per stream and the unfinished streams continue at the next
+step with their earlier tokens as context (flowgrpo/text/windows.py, the collector's stream pool); without it a
+step's generation ends at `generation.max_new_tokens` and an unfinished response is trained on with its bootstrapped
+value but not continued. Data parallel over ranks (the critic's own OptimizerStep sums its gradients); FSDP2, ZeRO
+and context-parallel launches are refused.
 """
 
 from __future__ import annotations
@@ -51,10 +53,10 @@ class TextTPPOMethod(TextGRPOMethod):
     config_section = "critic"  # where its settings live in TextConfig (for `flowgrpo list`)
 
     def __init__(self, ctx: TextContext) -> None:
-        if ctx.dist.world_size > 1:  # the critic's gradients are not all-reduced over ranks
+        if ctx.dist.lockstep:  # the critic is a replicated model: its passes and steps are plain data parallel
             raise ConfigError(
-                f"method tppo runs in one process (the critic's gradients are not summed over ranks); this launch has "
-                f"{ctx.dist.world_size}"
+                "method tppo: FSDP2, DeepSpeed ZeRO and context-parallel launches are not supported (the critic "
+                "trains data-parallel only); launch with configs/accelerate/ddp.yaml or torchrun"
             )
         super().__init__(ctx)
         cfg = ctx.cfg
@@ -62,10 +64,12 @@ class TextTPPOMethod(TextGRPOMethod):
             model = build_critic(ctx.model, cfg.critic, cfg.model.lora, ctx.device)
         except ValueError as err:
             raise ConfigError(str(err)) from None
-        self.critic = Critic(model, cfg.critic, cfg.train.logprob_batch_size or cfg.train.micro_batch_size)
+        self.critic = Critic(model, cfg.critic, cfg.train.logprob_batch_size or cfg.train.micro_batch_size, ctx.dist)
         settings = {**ESTIMATORS.get("egae").settings, **cfg.advantage.estimator.settings}
         self.gamma, self.lam = float(settings["gamma"]), float(settings["lam"])
         self.pending: PendingCritic | None = None
+        if cfg.critic.window is not None:  # rows of one dataset prompt carry different earlier tokens as context
+            self.shared_prompt = False
 
     @staticmethod
     def check_config(cfg: Any) -> None:
@@ -82,6 +86,21 @@ class TextTPPOMethod(TextGRPOMethod):
                 "method tppo: generation.mask_truncated must be false (T-PPO trains on the unfinished responses, "
                 "bootstrapped from the critic's value at the cut)"
             )
+        window, gen = cfg.critic.window, cfg.generation
+        if window is None:
+            return
+        if window >= gen.max_new_tokens:
+            raise ValueError(
+                f"critic.window ({window}) must be below generation.max_new_tokens ({gen.max_new_tokens}, the whole "
+                "response's budget), or null (no windows)"
+            )
+        pool = "each stream of the pool draws its own prompt"
+        other = {"generation.backend": (gen.backend, "transformers", "a per-call window for vLLM is not wired"),
+                 "rollout_split": (cfg.rollout_split, 1, pool), "prompt_sampling": (cfg.prompt_sampling.name, "uniform", pool),
+                 "dynamic_sampling.enabled": (cfg.dynamic_sampling.enabled, False, pool)}  # fmt: skip
+        for key, (got, want, why) in other.items():
+            if got != want:
+                raise ValueError(f"critic.window: {key} must be {want} ({why}), got {got}")
 
     def update(self, rollout: Any, record: dict[str, Any]) -> None:
         super().update(rollout, record)  # the advantages (and the critic's values) first, then the policy's update

@@ -169,6 +169,7 @@ class TextGRPOTrainer(RunLoop):
         if self.prompt_state is not None:  # float64 tensors: restored exactly
             parts.tensors["prompt_state"] = self.prompt_state.state_dict()
         self.method.checkpoint_parts(parts)  # the method's own state (SPO kl's stored completions)
+        self.collector.checkpoint_parts(parts)  # T-PPO windows: the streams carried into the next step
         return parts
 
     def restore(self, ckpt: Checkpoint) -> None:
@@ -180,6 +181,7 @@ class TextGRPOTrainer(RunLoop):
                     "resume: the checkpoint has no prompt state (it was written without a part that reads one)"
                 )
             self.prompt_state.load_state_dict(ckpt.tensors["prompt_state"])
+        self.collector.restore(ckpt)
         self.method.restore(ckpt)
         self.generator.sync_weights()
 

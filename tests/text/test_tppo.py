@@ -111,8 +111,8 @@ def test_config_rules_name_the_bad_value(tmp_path):
         _config(tmp_path, "critic.lrr=1")
     with pytest.raises(ConfigError, match="critic.model '/nonexistent/critic'"):
         TextGRPOTrainer(_config(tmp_path, "critic.model=/nonexistent/critic"))
-    with pytest.raises(ConfigError, match="method tppo runs in one process.*has 2"):
-        TextTPPOMethod(SimpleNamespace(dist=SimpleNamespace(world_size=2)))
+    with pytest.raises(ConfigError, match="method tppo: FSDP2, DeepSpeed ZeRO and context-parallel launches"):
+        TextTPPOMethod(SimpleNamespace(dist=SimpleNamespace(lockstep=True)))
 
 
 def _tensors(run_dir: Path, part: str) -> dict[str, torch.Tensor]:
