@@ -219,40 +219,40 @@ class T2ITrainer(RunLoop):
         def gather(parts: list) -> Any:
             return self.dist.gather_chunks(parts, n_chunks)
 
-        local = concat_trees(trees) if budgets is None else ragged.join(trees, max(budgets))
-        if self.dist.active:  # the same structure for every batch: a global tree without states for credit
-            logps = gather([t.edge_logp for t in trees]).view(n_chunks, -1)
-            skeleton = [
-                replace(
-                    trees[0],
-                    states=torch.empty(trees[0].num_nodes, 0),
-                    probe_latents=None,
-                    edge_mean=None,
-                    edge_logp=logps[c],
-                    leaf_images=None,
-                )
-                for c in range(n_chunks)
-            ]
-            global_tree = concat_trees(skeleton)
-        else:
-            global_tree = local
         leaf_values, probe_values = (
             [s.values[:n] for s, n in zip(scored, n_leaf)],
             [s.values[n:] for s, n in zip(scored, n_leaf)],
         )
-        if budgets is not None:  # one process (ragged.py): NaN (unscored) rewards in the padding slots
-            leaf_values = [ragged.spread(torch.cat(leaf_values), ragged.real_leaves(local))]
+        if budgets is not None:  # ragged groups (ragged.py): batches padded to one layout on every rank, gathered
+            local, global_tree, values, per_chunk = ragged.layout(trees, leaf_values, max(budgets), self.dist, n_chunks)
+        else:
+            local, values = concat_trees(trees), gather(leaf_values)
+            global_tree, per_chunk = local, local.num_nodes // len(mine)
+            if self.dist.active:  # the same structure for every batch: a global tree without states for credit
+                logps = gather([t.edge_logp for t in trees]).view(n_chunks, -1)
+                skeleton = [
+                    replace(
+                        trees[0],
+                        states=torch.empty(trees[0].num_nodes, 0),
+                        probe_latents=None,
+                        edge_mean=None,
+                        edge_logp=logps[c],
+                        leaf_images=None,
+                    )
+                    for c in range(n_chunks)
+                ]
+                global_tree = concat_trees(skeleton)
         if split > 1:  # the parts of a group are consecutive batches: one group of group_size leaves again
             global_tree = replace(
                 global_tree, prompt=global_tree.prompt // split, leaves=global_tree.leaves.reshape(-1, cfg.group_size)
             )
         return ScoredRollout(
-            tree=local, global_tree=global_tree, leaf_values=gather(leaf_values),
+            tree=local, global_tree=global_tree, leaf_values=values,
             probe_values=gather(probe_values) if trees[0].probe_latents is not None else None,
             preferences=gather([s.preferences for s in scored]),
             images=torch.cat([s.images for s in scored]) if keep_images else None,
             prompts=[p for c in mine for p in batch_prompts.prompts[c // split * Pc:(c // split + 1) * Pc]],
-            batch_prompts=batch_prompts, nodes_per_chunk=local.num_nodes // len(mine),
+            batch_prompts=batch_prompts, nodes_per_chunk=per_chunk,
         )  # fmt: skip
 
     # --- one iteration -----------------------------------------------------------------------------
@@ -271,7 +271,7 @@ class T2ITrainer(RunLoop):
         record["plan/trained_steps"] = len(plan.trained_steps)
         budgets = None
         if self.budgets is not None:  # Knapsack RL: the budgets of this step's prompts, from the prompt table
-            budgets = ragged.step_budgets(self.prompt_state, rows, cfg, self.budgets, record)
+            budgets = ragged.step_budgets(self.prompt_state, rows, cfg, self.budgets, record, self.dist)
         keep = self._grid_due() or self.method.needs_images
         rollout = self._collect(record, batch_prompts, plan, keep, budgets)
         if budgets is None:
