@@ -81,6 +81,21 @@ def test_tiny_gpu_check_end_to_end(tmp_path):
         and wan["figures"]["train step s (1 edge: checkpointed fwd+bwd + AdamW)"] > 0
     )
     assert wan["settings"]["video"] == "5 frames x 32 x 32"
+    wf = wan["figures"]
+    for key in (
+        "diffusers WanPipeline frames/s",
+        "ours / diffusers frames/s (ratio)",
+        "rollout TFLOP (counted, ours)",
+        "rollout TFLOP (counted, diffusers)",
+        "train step TFLOP (counted fwd+bwd, recompute included)",
+        "MFU rollout ours",
+        "MFU rollout diffusers",
+        "MFU train step",
+    ):
+        assert wf[key] > 0, key
+    # the baseline is the same work: from the same noise our ODE plan gives its latents (bf16 run: CFG rounding)
+    assert wf["latents same shape, ours (ODE plan) and diffusers (1 = yes)"] == 1.0
+    assert wf["latents max |ours - diffusers| / max |diffusers| (ODE plan)"] <= 2**-5
     for sec in ran:
         if "text GRPO" in sec["title"] or "full fine-tune" in sec["title"]:
             assert sec["figures"]["backward passes per step"] >= 1, sec["title"]  # a step that trains
@@ -149,3 +164,43 @@ def test_wan_real_size_model_on_the_meta_device():
     with torch.no_grad():
         out = adapter.model_output(x, torch.tensor([0.5], device="meta"), PromptEmbeds(rows, rows), 5.0, "full")
     assert out.shape == x.shape and out.dtype == torch.float32
+
+
+def test_wan_baseline_is_the_same_work_and_its_flops_scale_by_blocks():
+    """In float32 at the real check's 4 steps, our ODE plan and WanPipeline with its UniPC at order 1 without
+    corrector give the same latents from the same noise (float rounding), while the published UniPC (order 2,
+    corrector) does not: the agreement figure tells them apart. FLOPs counted on 1 and 2 blocks and scaled by the
+    block count equal the direct count of a 3-block model."""
+    import copy
+    import dataclasses
+
+    import torch
+    from diffusers import WanPipeline
+
+    from flowgrpo.gpu_check import image, video
+    from pipelines.plans import build_plan
+    from pipelines.sampler import Sampler, SamplerConfig
+
+    sizes = dataclasses.replace(video.TINY, steps=video.FULL.steps)
+    adapter = video.wan_t2v(sizes, "cpu", torch.float32)
+    image._activate_lora(adapter.add_lora(rank=4))
+    sampler = Sampler(
+        SamplerConfig(num_steps=sizes.steps, height=sizes.height, width=sizes.width, guidance_scale=video.GUIDANCE)
+    )
+    gap = "latents max |ours - diffusers| / max |diffusers| (ODE plan)"
+    same = video.latent_agreement(adapter, sampler, video.euler_pipeline(adapter, sizes.steps), sizes, ["a cat"])
+    published = WanPipeline(**adapter.pipe.components)
+    published.set_progress_bar_config(disable=True)
+    other = video.latent_agreement(adapter, sampler, published, sizes, ["a cat"])
+    assert same["latents same shape, ours (ODE plan) and diffusers (1 = yes)"] == 1.0
+    assert same[gap] <= video.agreement_tolerance(torch.float32) == 1e-5 < 1e-3 < other[gap]
+
+    adapter.denoiser.blocks.append(copy.deepcopy(adapter.denoiser.blocks[0]))
+    plan = build_plan("full_sde", sizes.steps)
+
+    def rollout():
+        return sampler.run(adapter, ["a cat"], plan, 1, torch.Generator().manual_seed(0))
+
+    counted = image.counted_flops(rollout)
+    assert video.block_scaled_flops(adapter.denoiser, rollout) == counted > 0
+    assert len(adapter.denoiser.blocks) == 3  # the full model is back after the counts
