@@ -1,5 +1,6 @@
 """Test-wide settings: no model hub, two threads (one in each pytest-xdist worker), fixed seeds."""
 
+import json
 import os
 from pathlib import Path
 
@@ -144,13 +145,50 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if Path(str(item.fspath)).resolve().relative_to(root).as_posix() in HEAVY_MODULES:
             item.add_marker(pytest.mark.heavy)
-    if "heavy" in (config.getoption("markexpr") or ""):
+    if _heavy_tier(config):
+        workers = getattr(config, "workerinput", {}).get("workercount", 1)
+        items[:] = longest_first(items, json.loads(EXPECTED_SECONDS.read_text()), workers)
         return
     drop = [it for it in items if it.get_closest_marker("heavy")]
     if drop:
         dropped = set(map(id, drop))
         config.hook.pytest_deselected(items=drop)
         items[:] = [it for it in items if id(it) not in dropped]
+
+
+def _heavy_tier(config) -> bool:
+    expr = config.getoption("markexpr") or ""
+    return "heavy" in expr and "not heavy" not in expr
+
+
+# Seconds of the heavy tier's slowest tests (`--durations` of a 2-worker run on a shared machine: only their
+# order is used). With `-n 2` the tier ends when its last long test does: started last, a 90 s test keeps one
+# worker busy while the other idles. So the known long tests go first, longest first (the rest keep their
+# collection order), and pytest_configure below makes xdist hand them out one at a time. The default tier
+# keeps xdist's chunks (thousands of short tests; a module's tests stay on one worker, its fixtures built
+# once). Regenerate the table from `--durations` when a test's cost changes by much; a test missing from it
+# runs in its collection place.
+EXPECTED_SECONDS = Path(__file__).with_name("expected_seconds.json")
+
+
+def longest_first(items: list, seconds: dict[str, float], workers: int) -> list:
+    """`items` with those in `seconds` first, longest first (a stable sort: the others keep their order). The
+    first 2 x `workers` are dealt as xdist's load scheduler starts (two consecutive items to each worker):
+    worker k gets the k-th longest and its mirror, so no worker starts with the two longest."""
+    ranked = sorted(items, key=lambda it: -seconds.get(it.nodeid, 0.0))
+    head = [it for it in ranked[: 2 * workers] if it.nodeid in seconds]
+    if workers > 1 and len(head) == 2 * workers:
+        ranked[: 2 * workers] = [it for k in range(workers) for it in (head[k], head[2 * workers - 1 - k])]
+    return ranked
+
+
+def pytest_configure(config):
+    # xdist's load scheduler (xdist/scheduler/load.py) sends each worker a chunk of a quarter of its share in
+    # collection order, then refills by chunks: the longest tests, first in that order, would all land on one
+    # worker. One at a time (`--maxschedchunk=1`, unless given) they go to whichever worker is free.
+    if config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput") and _heavy_tier(config):
+        if config.getoption("maxschedchunk", None) is None:
+            config.option.maxschedchunk = 1
 
 
 @pytest.fixture

@@ -134,6 +134,7 @@ def test_one_nft_gardo_iteration(recipe_config):
 
 @pytest.mark.heavy
 def test_grpo_gardo_learns(tmp_path):
-    m = learning_margin("gardo", tmp_path, iterations=16)
+    # 12 iterations: the gain is 15 standard errors there (12 at 16 iterations), well past the margin of 4
+    m = learning_margin("gardo", tmp_path, iterations=12)
     assert m["first_learn"] == pytest.approx(m["first_still"], abs=1e-7), m
     assert m["gain"] > 4.0 * m["noise"] and m["gain"] > 0, m
