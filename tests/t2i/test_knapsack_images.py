@@ -1,7 +1,7 @@
 """Knapsack RL in the image trainer (prompt_sampling knapsack, flowgrpo/t2i/ragged.py): ragged budgets really happen,
 the sampler denoises exactly sum N_i images (no padding row), each group is normalised over its real rows, the
-prompt table's budget state stops and resumes bit-identically (also from one process into two, whose ranks roll out
-batches of other sizes and still match one process), and what ragged groups cannot take is refused when the config
+prompt table's budget state stops and resumes bit-identically (from one process into two, whose ranks roll out
+batches of other sizes: test_prompt_state_images.py), and what ragged groups cannot take is refused when the config
 loads."""
 
 from pathlib import Path
@@ -97,42 +97,3 @@ def test_what_ragged_groups_cannot_take_is_a_one_line_config_error(recipe_config
         recipe_config(recipe, *sampling, *overrides)
     problem = str(err.value).splitlines()
     assert len(problem) == 2 and problem[0].startswith("invalid T2IConfig")  # the header, then one line
-
-
-ROOT = Path(__file__).resolve().parents[2]
-# exact: every value computed from the same weights (lr 0) over the gathered global batch, as in test_two_process.py
-EXACT = ("knapsack/budget_min", "knapsack/budget_max", "reward_mean", "reward_std", "adv/mean", "adv/std",
-         "adv/abs_max", "adv/num_live", "edges/trained", "images", "nfe_nograd", "nfe_grad", "reward_calls")  # fmt: skip
-
-
-@pytest.mark.heavy
-def test_two_processes_roll_out_the_one_process_ragged_groups(tmp_path, launch_ranks):
-    """Step 1 (budgets 8, 8) on one process, resumed on two for steps 2-3: ragged budgets (10 / 6, then from the
-    table the two ranks updated) put batches of other sizes on the two ranks, yet rewards, budgets, advantages and
-    the prompt table are the uninterrupted one-process run's to the last bit, and the update (lr 0: the gradient of
-    the same edges with the same advantages) as close as float32 sums in another order."""
-    import shutil
-
-    from flowgrpo.checkpoint import list_checkpoints
-    from flowgrpo.metrics import read_metrics
-
-    args = [str(ROOT / "configs/t2i/tiny/knapsack.yaml"), *FAST, "progress=false", "artifacts.tensorboard=false",
-            "artifacts.plot=false", "checkpoint.save_final_model=false", "iterations=3", "checkpoint.every=1",
-            "optim.lr=0"]  # fmt: skip
-    one, mixed = tmp_path / "one", tmp_path / "mixed"
-    launch_ranks("train_t2i.py", [*args, f"output_dir={one}"], 1)
-    shutil.copytree(one, mixed)  # the one-process run as it stood after step 1: its later checkpoints dropped
-    for later in list_checkpoints(mixed / "checkpoints")[1:]:
-        shutil.rmtree(later)
-    launch_ranks("train_t2i.py", [*args, f"output_dir={mixed}", "resume=true"], 2)
-    want, got = read_metrics(one / "metrics.jsonl"), read_metrics(mixed / "metrics.jsonl")
-    assert [r["iteration"] for r in got] == [1, 2, 3]
-    assert want[1]["knapsack/budget_min"] < want[1]["knapsack/budget_max"]  # ragged on two ranks
-    for a, b in zip(want, got):
-        for key in EXACT:
-            assert a[key] == b[key], (a["iteration"], key, a[key], b[key])
-        assert b["check/first_pass_ratio_dev"] < 1e-4  # each rank re-scores its own real edges: ratio 1
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), a["iteration"]  # float32 sums reordered
-    a, b = _tensors(one, "prompt_state"), _tensors(mixed, "prompt_state")
-    for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=0, atol=0, equal_nan=True, msg=k)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowgrpo.checkpoint import latest_checkpoint
+from flowgrpo.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from flowgrpo.config import ConfigError
 from flowgrpo.metrics import read_metrics
 from flowgrpo.text import TextGRPOTrainer, load_text_config, train_text
@@ -81,20 +81,37 @@ def test_ace_scores_policy_and_reference_before_the_advantages(tiny_config):
     assert history[1]["ace/penalty_mean"] != pytest.approx(history[0]["ace/penalty_mean"])  # the policy moved
 
 
-@pytest.mark.slow
-def test_one_process_stopped_and_resumed_in_two_matches_one_uninterrupted(tmp_path, launch_ranks):
-    """SPO's tracker and priorities: every rank computes the same state from the gathered batch, so a run stopped
-    in one process and resumed in two draws the same prompts and ends with the same state, bit for bit."""
-    args = [str(TINY), "recipe=spo", "iterations=4", "progress=false", "num_threads=1", "train.inner_epochs=1",
-            "prompts_per_iteration=4", "group_size=4", "generation.batch_size=4", "optim.eps=1e-3"]  # fmt: skip
+def _steps(run_dir: Path) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, int]]]:
+    """The prompt table and the prompt order's state after each step (every step checkpointed)."""
+    saved = [load_checkpoint(c, restore_rng=False) for c in list_checkpoints(run_dir / "checkpoints")]
+    return [c.tensors["prompt_state"] for c in saved], [c.state["sampler"] for c in saved]
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("recipe", ["spo", "prompt_replay"])
+def test_one_process_stopped_and_resumed_in_two_matches_one_uninterrupted(tmp_path, launch_ranks, recipe):
+    """SPO's tracker and priorities, Prompt Replay's buffer: every rank computes the same state from the gathered
+    batch, so a run stopped in one process and resumed in two draws the same prompts, gets the same rewards and
+    ends every step with the same state, bit for bit."""
+    args = [str(TINY), f"recipe={recipe}", "iterations=4", "progress=false", "num_threads=1", "train.inner_epochs=1",
+            "prompts_per_iteration=4", "group_size=4", "generation.batch_size=4", "optim.eps=1e-3",
+            "checkpoint.every=1", "checkpoint.keep_last=5"]  # fmt: skip
     one, mixed = tmp_path / "one", tmp_path / "mixed"
-    launch_ranks("train_text.py", [*args, f"output_dir={one}", "checkpoint.every=1"], 1)
-    launch_ranks("train_text.py", [*args, f"output_dir={mixed}", "checkpoint.every=1", "stop_after=2"], 1)
-    launch_ranks("train_text.py", [*args, f"output_dir={mixed}", "checkpoint.every=1", "resume=true"], 2)
-    _assert_identical(_tensors(one, "prompt_state"), _tensors(mixed, "prompt_state"))
-    assert [r["reward_mean"] for r in read_metrics(mixed / "metrics.jsonl")] == [
-        r["reward_mean"] for r in read_metrics(one / "metrics.jsonl")
-    ]
+    launch_ranks("train_text.py", [*args, f"output_dir={one}"], 1)
+    launch_ranks("train_text.py", [*args, f"output_dir={mixed}", "stop_after=2"], 1)
+    launch_ranks("train_text.py", [*args, f"output_dir={mixed}", "resume=true"], 2)
+    (ref, order), (out, mixed_order) = _steps(one), _steps(mixed)
+    assert len(ref) == len(out) == 4 and order == mixed_order  # the permutation's place and the policy's draws
+    for a, b in zip(ref, out):  # the table after each step
+        _assert_identical(a, b)
+    seen = [torch.zeros_like(ref[0]["seen"]), *(t["seen"] for t in ref)]
+    assert all(int((after - before).sum()) == 4 for before, after in zip(seen, seen[1:]))  # 4 groups a step
+    want, got = read_metrics(one / "metrics.jsonl"), read_metrics(mixed / "metrics.jsonl")
+    assert [r["iteration"] for r in got] == [1, 2, 3, 4]
+    for key in ("reward_mean", "reward_std"):
+        assert [r[key] for r in got] == [r[key] for r in want], key
+    if recipe == "prompt_replay":  # the buffer re-served prompts in the two-process steps
+        assert ref[1]["replays"].sum() == 0 and ref[-1]["replays"].sum() >= 1
 
 
 def test_an_offline_value_column_starts_spo_and_is_checked(tiny_config, tmp_path):
