@@ -4,7 +4,7 @@ Each rank of a test launch used to be a new interpreter that spent ~4 s of its ~
 transformers and peft. The fork server (one per test process) imports them once; every rank is then a fork of
 it that runs the real script (`runpy`, as `python scripts/<script>` would) in its own OS process, with its own
 environment, gloo process group and exit code. What stays a plain `python` process: `accelerate launch` runs,
-the SIGKILL tests and every other subprocess of the tests.
+tests/text's SIGKILL tests and every other subprocess of the tests.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 A plain call is a fork of the test process's fork server, which imported torch, diffusers and transformers once
 (tests/rank_process.py): the command runs in its own OS process, folder and environment, with its own exit code
 and output, ~4 s sooner. `bare=True` (torchvision hidden) and an `env` of the test's own (read by libraries at
-import) start a fresh interpreter instead.
+import) start a fresh interpreter instead. `start_cli` forks the same way without waiting, for tests that watch
+a run and signal or kill it.
 """
 
 from __future__ import annotations
@@ -44,23 +45,63 @@ def run_cli(
 
 
 def _forked(argv: list[str], cwd: Path, timeout: float, prelude: str = "") -> subprocess.CompletedProcess:
-    import tempfile
+    started = start_cli(*argv, cwd=cwd, prelude=prelude)
+    out, err = started.communicate(timeout)
+    return subprocess.CompletedProcess(["flowgrpo", *argv], started.returncode, out, err)
 
-    import rank_process
 
-    ctx = rank_process.start_server()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    with tempfile.TemporaryDirectory() as tmp:
-        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        proc = ctx.Process(target=rank_process.run_cli_main, args=(argv, env, str(cwd), str(out), str(err), prelude))
-        proc.start()
-        proc.join(timeout)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-            raise subprocess.TimeoutExpired(["flowgrpo", *argv], timeout)
-        read = lambda p: p.read_text(errors="replace") if p.exists() else ""  # noqa: E731
-        return subprocess.CompletedProcess(["flowgrpo", *argv], proc.exitcode, read(out), read(err))
+class ForkedCli:
+    """A running `flowgrpo argv...` forked from the fork server, with the part of Popen's interface the tests use:
+    pid, poll(), send_signal(), communicate(timeout) -> (stdout, stderr), returncode (-N when killed by signal N)."""
+
+    def __init__(self, argv: list[str], cwd: Path, prelude: str = ""):
+        import tempfile
+
+        import rank_process
+
+        ctx = rank_process.start_server()
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+        self.argv = argv
+        self._tmp = tempfile.TemporaryDirectory()
+        self._out, self._err = Path(self._tmp.name) / "stdout", Path(self._tmp.name) / "stderr"
+        args = (argv, env, str(cwd), str(self._out), str(self._err), prelude)
+        self.proc = ctx.Process(target=rank_process.run_cli_main, args=args)
+        self.proc.start()
+        self.returncode: int | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc.pid is not None
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        self.returncode = self.proc.exitcode
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def stderr_text(self) -> str:
+        return self._err.read_text(errors="replace") if self._err.exists() else ""
+
+    def communicate(self, timeout: float) -> tuple[str, str]:
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+            self._tmp.cleanup()
+            raise subprocess.TimeoutExpired(["flowgrpo", *self.argv], timeout)
+        self.returncode = self.proc.exitcode
+        out = self._out.read_text(errors="replace") if self._out.exists() else ""
+        err = self.stderr_text()
+        self._tmp.cleanup()
+        return out, err
+
+
+def start_cli(*argv: str, cwd: Path, prelude: str = "") -> ForkedCli:
+    """`flowgrpo argv...` started in the background as a fork of the fork server (see run_cli), so that a test
+    can watch it and signal it."""
+    return ForkedCli(list(argv), cwd, prelude)
 
 
 def one_line_error(done: subprocess.CompletedProcess, *needles: str, prefix: str = "flowgrpo") -> str:

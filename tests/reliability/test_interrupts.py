@@ -1,10 +1,7 @@
 """Ctrl-C and SIGTERM finish the current update, save a checkpoint and stop; resume continues from it; the
 default config checkpoints periodically. Through the `flowgrpo` command."""
 
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,27 +12,19 @@ from flowgrpo.metrics import read_metrics
 from flowgrpo.t2i import load_t2i_config
 from flowgrpo.text import load_text_config
 
-from .cli_helpers import ROOT
-
-CODE = "import sys\nfrom flowgrpo.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+from .cli_helpers import ROOT, ForkedCli, start_cli
 
 
-def _start(tmp_path: Path, *argv: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-c", CODE, *argv],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)},
-    )
+def _start(tmp_path: Path, *argv: str) -> ForkedCli:
+    # a fork of the server that imported torch once (cli_helpers.run_cli): its own process, signalled by pid
+    return start_cli(*argv, cwd=tmp_path)
 
 
-def _wait_for_records(metrics: Path, n: int, proc: subprocess.Popen, limit_s: float = 300) -> None:
+def _wait_for_records(metrics: Path, n: int, proc: ForkedCli, limit_s: float = 300) -> None:
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"the run ended early: {proc.stderr.read()[-2000:]}")
+            raise AssertionError(f"the run ended early: {proc.stderr_text()[-2000:]}")
         if metrics.is_file() and len(metrics.read_text().splitlines()) >= n:
             return
         time.sleep(0.05)

@@ -2,6 +2,7 @@
 before the checkpoint's optimizer state (which would not fit the new model) is loaded: no torch traceback.
 Through `flowgrpo train-text` / `train-t2i`."""
 
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -33,6 +34,25 @@ def test_text_resume_with_another_layer_count_is_refused(tmp_path):
     _refused(done, "model.lora.enabled: False in the checkpoint, True now")
 
 
+COMMON = ["progress=false", "artifacts.tensorboard=false", "artifacts.plot=false", "checkpoint.save_final_model=false"]
+
+
+@pytest.fixture(scope="module")
+def t2i_run(tmp_path_factory) -> Path:
+    """One finished tiny flow_grpo run (its checkpoint at step 1), made once for the module: each test resumes a
+    copy of it (the refusals below need only a checkpoint of the recipe, not one of their own)."""
+    folder = tmp_path_factory.mktemp("t2i_run")
+    done = run_cli("train-t2i", str(T2I_TINY / "flow_grpo.yaml"), *COMMON, f"output_dir={folder / 'run'}",
+                   "iterations=1", cwd=folder)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return folder / "run"
+
+
+def _copy(run: Path, tmp_path: Path) -> Path:
+    shutil.copytree(run, tmp_path / "run")
+    return tmp_path / "run"
+
+
 @pytest.mark.parametrize(
     "change, named",
     [
@@ -41,24 +61,18 @@ def test_text_resume_with_another_layer_count_is_refused(tmp_path):
         (["model.finetune=full"], ["model.finetune: 'lora' in the checkpoint, 'full' now"]),
     ],
 )
-def test_t2i_resume_with_another_model_is_refused(tmp_path, change, named):
-    out = tmp_path / "run"
-    common = ["progress=false", "artifacts.tensorboard=false", "artifacts.plot=false", f"output_dir={out}",
-              "checkpoint.save_final_model=false"]  # fmt: skip
+def test_t2i_resume_with_another_model_is_refused(t2i_run, tmp_path, change, named):
+    out = _copy(t2i_run, tmp_path)
     recipe = str(T2I_TINY / "flow_grpo.yaml")
-    assert run_cli("train-t2i", recipe, *common, "iterations=1", cwd=tmp_path).returncode == 0
-    done = run_cli("train-t2i", recipe, *common, "iterations=2", "resume=true", *change, cwd=tmp_path)
+    done = run_cli("train-t2i", recipe, *COMMON, f"output_dir={out}", "iterations=2", "resume=true", *change,
+                   cwd=tmp_path)  # fmt: skip
     _refused(done, *named)
 
 
-def test_t2i_resume_with_another_recipe_is_refused(tmp_path):
-    out = tmp_path / "run"
-    common = ["progress=false", "artifacts.tensorboard=false", "artifacts.plot=false", f"output_dir={out}",
-              "checkpoint.save_final_model=false"]  # fmt: skip
-    first = run_cli("train-t2i", str(T2I_TINY / "flow_grpo.yaml"), *common, "iterations=1", cwd=tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
-    done = run_cli("train-t2i", str(T2I_TINY / "diffusion_nft.yaml"), *common, "iterations=2", "resume=true",
-                   cwd=tmp_path)  # fmt: skip
+def test_t2i_resume_with_another_recipe_is_refused(t2i_run, tmp_path):
+    out = _copy(t2i_run, tmp_path)
+    done = run_cli("train-t2i", str(T2I_TINY / "diffusion_nft.yaml"), *COMMON, f"output_dir={out}", "iterations=2",
+                   "resume=true", cwd=tmp_path)  # fmt: skip
     _refused(done, "method: 'grpo' in the checkpoint, 'nft' now")
     assert Path(out / "checkpoints" / "step_00000001").is_dir()
 

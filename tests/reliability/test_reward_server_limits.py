@@ -40,19 +40,29 @@ def start_server(*args: str, env: dict | None = None) -> tuple[subprocess.Popen,
     return proc, line.split(" on ")[1].split()[0]
 
 
-@pytest.fixture
-def server():
-    procs = []
+@pytest.fixture(scope="module")
+def _servers():
+    """One server process per (flags, environment) for the whole module: each start is a fresh interpreter
+    (~1.3 s), and every test's requests are independent of the others' (the limits are per request or per open
+    connection, and each test's connections are closed by the time it ends)."""
+    running: dict[tuple, tuple[subprocess.Popen, str]] = {}
+    yield running
+    for proc, _ in running.values():
+        proc.terminate()
+        proc.wait(10)
 
+
+@pytest.fixture
+def server(_servers):
     def start(*args: str, env: dict | None = None) -> str:
-        proc, url = start_server(*args, env=env)
-        procs.append(proc)
+        key = (args, tuple(sorted((env or {}).items())))
+        if key not in _servers:
+            _servers[key] = start_server(*args, env=env)
+        proc, url = _servers[key]
+        assert proc.poll() is None, f"the shared server {args} exited: {proc.stderr.read()[-2000:]}"
         return url
 
-    yield start
-    for p in procs:
-        p.terminate()
-        p.wait(10)
+    return start
 
 
 def post(url: str, body: bytes, headers: dict | None = None, path: str = "/score") -> tuple[int, dict]:

@@ -2,12 +2,11 @@
 folder in use is refused at once (one line naming the folder and the holder's pid, nothing written), the lock
 dies with its process (kill -9 included), and an earlier run that left files but no checkpoint is refused like
 one that left checkpoints, unless resume=true, which starts it again at step 0 with the earlier files moved to
-`earlier_run_1/`. Through `flowgrpo train-text` in fresh processes."""
+`earlier_run_1/`. Through `flowgrpo train-text` in processes of their own."""
 
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 from flowgrpo.checkpoint.run_folder import LOCK_NAME, lock_run_folder
 from flowgrpo.metrics import read_metrics
 
-from .cli_helpers import ROOT, one_line_error, run_cli
+from .cli_helpers import ROOT, ForkedCli, one_line_error, run_cli, start_cli
 
 TINY = str(ROOT / "configs/text/tiny_pattern.yaml")
 
@@ -25,25 +24,21 @@ def _text(out: Path, *extra: str, cwd: Path) -> subprocess.CompletedProcess:
     return run_cli("train-text", TINY, "progress=false", f"output_dir={out}", *extra, cwd=cwd)
 
 
-def _start_long_run(out: Path, cwd: Path) -> subprocess.Popen:
+def _start_long_run(out: Path, cwd: Path) -> ForkedCli:
     """`flowgrpo train-text` with no checkpoint before its end (far away), once its first record is written."""
-    code = "import sys\nfrom flowgrpo.cli import main\nsys.exit(main(sys.argv[1:]))\n"
     argv = ["train-text", TINY, "progress=false", f"output_dir={out}", "iterations=100000", "checkpoint.every=0"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code, *argv], cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
+    proc = start_cli(*argv, cwd=cwd)  # its own OS process (a fork that skips re-importing torch), killable by pid
     deadline = time.monotonic() + 300
     while not (out / "metrics.jsonl").is_file() or not read_metrics(out / "metrics.jsonl"):
-        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        assert proc.poll() is None, proc.stderr_text()[-3000:]
         assert time.monotonic() < deadline, "no metrics record within 300 s"
         time.sleep(0.05)
     return proc
 
 
-def _kill(proc: subprocess.Popen) -> None:
+def _kill(proc: ForkedCli) -> None:
     proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
+    proc.communicate(timeout=30)
     assert proc.returncode == -signal.SIGKILL
 
 
