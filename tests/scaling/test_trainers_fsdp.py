@@ -11,13 +11,13 @@ what shows that a checkpoint resumed on another world size holds exactly the wei
 
 from __future__ import annotations
 
-import atexit
+import hashlib
 import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 from safetensors.torch import load_file
 
 from flowgrpo.metrics import read_metrics
@@ -57,8 +57,9 @@ ROLLOUT_KEYS = ("reward_mean", "reward_std", "adv/mean", "adv/std", "adv/abs_max
 
 
 @pytest.fixture
-def launch(launch_ranks, monkeypatch):
-    """launch(script, args, world, sharded=True): `launch_ranks` with or without the FSDP2 environment."""
+def launch(launch_ranks, monkeypatch, plain_runs_dir):
+    """launch(script, args, world, sharded=True): `launch_ranks` with or without the FSDP2 environment;
+    `launch.plain_runs`: the session's shared folder of finished one-process runs (for `_image`)."""
 
     def run(script: str, args: list[str], world: int, sharded: bool = True) -> None:
         with monkeypatch.context() as m:
@@ -69,29 +70,31 @@ def launch(launch_ranks, monkeypatch):
                     m.delenv(key, raising=False)
             launch_ranks(script, args, world)
 
+    run.plain_runs = plain_runs_dir  # type: ignore[attr-defined]
     return run
 
 
-# Finished one-process runs (no FSDP2, no DeepSpeed) by their settings: the FSDP2 and ZeRO tests compare against
-# the same reference runs, so each runs once per test process (per xdist worker) and later callers get a copy.
-_PLAIN_RUNS: dict[tuple[str, ...], Path] = {}
-_PLAIN_CACHE = Path(tempfile.mkdtemp(prefix="flowgrpo-plain-runs-"))
-atexit.register(shutil.rmtree, _PLAIN_CACHE, True)
-
-
-def _image(launch, out: Path, world: int, *extra: str, sharded: bool = True, recipe: str = "flow_grpo") -> Path:
+def _image(launch, out: Path, world: int, *extra: str, sharded: bool | int = True, recipe: str = "flow_grpo") -> Path:
     """Run scripts/train_t2i.py on `recipe` with IMAGE + `extra` in `world` processes (`sharded`: the caller's
     engine; False: plain processes) into `out`. A plain one-process run into a new folder (a result of its
-    settings alone: no resume, nothing there before) is taken from the session's earlier identical run."""
+    settings alone: no resume, nothing there before) is made once per session: the FSDP2 and ZeRO tests compare
+    against the same reference runs from different xdist workers, so the first caller of a setting makes it under
+    a file lock and the later ones (any worker) wait for it and copy it."""
     args = [str(ROOT / f"configs/t2i/tiny/{recipe}.yaml"), f"output_dir={out}", *IMAGE, *extra]
-    key = (recipe, *IMAGE, *extra)
     reusable = world == 1 and sharded is False and not out.exists() and "resume=true" not in extra
-    if reusable and key in _PLAIN_RUNS:
-        shutil.copytree(_PLAIN_RUNS[key], out)
+    if not reusable:
+        launch("train_t2i.py", args, world, sharded)
         return out
-    launch("train_t2i.py", args, world, sharded)
-    if reusable:  # a copy: the caller may write into its folder later (a resumed run)
-        _PLAIN_RUNS[key] = shutil.copytree(out, _PLAIN_CACHE / str(len(_PLAIN_RUNS)))
+    key = hashlib.sha1("\0".join((recipe, *IMAGE, *extra)).encode()).hexdigest()[:16]
+    done = launch.plain_runs / key
+    with FileLock(str(done) + ".lock", timeout=1200):
+        if not done.is_dir():
+            launch("train_t2i.py", args, world, sharded)
+            # a copy (the caller may write into its folder later: a resumed run), renamed into place only whole
+            shutil.copytree(out, done.with_suffix(".partial"), dirs_exist_ok=True)
+            done.with_suffix(".partial").rename(done)
+            return out
+    shutil.copytree(done, out)
     return out
 
 
