@@ -28,7 +28,9 @@ class RolloutTree:
     edge_logp: Tensor  # [N] float32: log-prob of the edge under the rollout policy (NaN for roots)
     edge_std: Tensor  # [N] float32: transition std (0 for deterministic edges)
     edge_mean: Optional[Tensor] = None  # [N, C, h, w] rollout-policy mean (GRPO-Guard); None unless kept
-    leaves: Tensor = field(default_factory=lambda: torch.empty(0, 0, dtype=torch.long))  # [P, L] node ids
+    leaves: Tensor = field(
+        default_factory=lambda: torch.empty(0, 0, dtype=torch.long)
+    )  # [P, L] node ids (-1: a slot a smaller ragged group lacks)
     probe_nodes: Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))  # [M] node ids
     probe_latents: Optional[Tensor] = None  # [M, C, h, w] clean latents of each probe completion
     num_steps: int = 0
@@ -121,7 +123,7 @@ def concat_trees(trees: list[RolloutTree]) -> RolloutTree:
     for t in trees:
         parts["parent"].append(torch.where(t.parent >= 0, t.parent + node_off, t.parent))
         parts["prompt"].append(t.prompt + prompt_off)
-        parts["leaves"].append(t.leaves + node_off)
+        parts["leaves"].append(torch.where(t.leaves >= 0, t.leaves + node_off, t.leaves))  # -1: a ragged slot
         parts["probe_nodes"].append(t.probe_nodes + node_off)
         node_off += t.num_nodes
         prompt_off += t.num_prompts

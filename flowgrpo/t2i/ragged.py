@@ -121,34 +121,29 @@ def join(trees: list[Any], width: int) -> Any:
     """concat_trees of ragged rollouts: every tree's leaves (and leaf images) padded to `width` slots, padding -1."""
     from pipelines.rollout import concat_trees
 
-    def pad(t: Tensor, fill: float) -> Tensor:
-        extra = width - t.shape[1]
-        return torch.cat([t, t.new_full((t.shape[0], extra, *t.shape[2:]), fill)], 1) if extra else t
-
-    real = torch.cat([pad(real_leaves(t), False) for t in trees])
-    padded = [
-        replace(
-            t,
-            leaves=pad(t.leaves.clamp_min(0), 0),  # any node id: concat_trees offsets it, the mask below resets it
-            leaf_images=None if t.leaf_images is None else pad(t.leaf_images, 0),
-        )
-        for t in trees
-    ]
-    joined = concat_trees(padded)
-    return replace(joined, leaves=joined.leaves.masked_fill(~real, -1))
+    return concat_trees(
+        [
+            replace(
+                t,
+                leaves=_pad_slots(t.leaves, width, -1),
+                leaf_images=None if t.leaf_images is None else _pad_slots(t.leaf_images, width, 0),
+            )
+            for t in trees
+        ]
+    )
 
 
-def spread(values: Tensor, real: Tensor) -> Tensor:
-    """Rewards of the real samples [n, K] laid out on the slots [P * L, K] (NaN: padding, never scored)."""
-    out = values.new_full((real.numel(), *values.shape[1:]), float("nan"))
+def _pad_slots(t: Tensor, width: int, fill: float) -> Tensor:
+    """[P, L, ...] -> [P, width, ...], `fill` in the added slots."""
+    extra = width - t.shape[1]
+    return torch.cat([t, t.new_full((t.shape[0], extra, *t.shape[2:]), fill)], 1) if extra else t
+
+
+def spread(values: Tensor, real: Tensor, fill: float = float("nan")) -> Tensor:
+    """Rows of the real samples [n, ...] laid out on the slots [P * L, ...], `fill` in the padding (rewards: NaN,
+    never scored; the rollout grid's images: 0, black)."""
+    out = values.new_full((real.numel(), *values.shape[1:]), fill)
     out[real.reshape(-1)] = values
-    return out
-
-
-def grid_images(images: Tensor, real: Tensor) -> Tensor:
-    """The real samples' images [n, ...] as one row per group [P * L, ...] (padding black) for the rollout grid."""
-    out = images.new_zeros((real.numel(), *images.shape[1:]))
-    out[real.reshape(-1)] = images
     return out
 
 
@@ -183,9 +178,7 @@ def layout(
     nodes = dist.most(max(t.num_nodes for t in trees))  # the largest batch of the step, on any rank
     padded = [_pad_nodes(t, nodes) for t in trees]
     local = join(padded, width)
-    leaves = [local.leaves.new_full((t.num_prompts, width), -1) for t in padded]  # each batch's, node ids its own
-    for leaf, t in zip(leaves, padded):
-        leaf[:, : t.leaves.shape[1]] = t.leaves
+    leaves = [_pad_slots(t.leaves, width, -1) for t in padded]  # each batch's, node ids its own
     ints = [torch.stack([getattr(t, k).long() for k in _INT_FIELDS], 1).cpu() for t in padded]
     floats = [torch.stack([t.edge_logp.float(), t.edge_std.float()], 1).cpu() for t in padded]
     rewards = [spread(v, leaf >= 0) for v, leaf in zip(values, leaves)]

@@ -304,7 +304,7 @@ class T2ITrainer(RunLoop):
         if rollout.images is not None and self._grid_due():
             images, cols = rollout.images, cfg.group_size // cfg.rollout_split
             if budgets is not None:  # one row per group, black where a smaller group has no image
-                images, cols = ragged.grid_images(images, ragged.real_leaves(rollout.tree)), max(budgets)
+                images, cols = ragged.spread(images, ragged.real_leaves(rollout.tree), 0.0), max(budgets)
             artifacts.save_grid(
                 images,
                 self.out / "grids" / f"rollout_{self.iteration + 1:06d}.png",

@@ -116,16 +116,22 @@ class Collector:
             self.windows.pool.load_state_dict(ckpt.tensors["tppo_streams"])
             self.windows.restored = True
 
-    def _gathered(self, work: Callable[[int], Any], n_chunks: int) -> list[Any]:
-        """work(c) of this rank's chunks c, every rank's results in chunk order on every rank; a failure on any rank
-        stops every rank with its reason."""
+    def _gathered(
+        self, work: Callable[[int], Any], n_chunks: int, setup: Optional[Callable[[list[int]], None]] = None
+    ) -> list[Any]:
+        """work(c) of this rank's chunks c (after `setup(mine)`), every rank's results in chunk order on every rank; a
+        failure on any rank stops every rank with its reason."""
         local: list[tuple[int, Any]] = []
         failure = None
         try:
-            local = [(c, work(c)) for c in self.dist.my_chunks(n_chunks)]
+            mine = self.dist.my_chunks(n_chunks)
+            if setup is not None:
+                setup(mine)
+            local = [(c, work(c)) for c in mine]
         except Exception as err:
             if not self.dist.active:
                 raise
+            # the other ranks wait at the gather below: tell them, so every rank stops with the reason
             failure = err
             local = [(-1, f"rank {self.dist.rank}: {type(err).__name__}: {err}")]
         parts = sorted(self.dist.gather_objects(local), key=lambda item: item[0])
@@ -166,46 +172,33 @@ class Collector:
         G, k = self.cfg.group_size, self.cfg.rollout_split
         per_call = 1 if budgets else prompts_per_call(self.cfg.generation, G)
         chunks = [index[s : s + per_call] for s in range(0, len(index), per_call)]
-        local: list[tuple[int, Any, Any]] = []
-        t_gen, t_rew, failure = 0.0, 0.0, None
-        try:
-            mine = self.dist.my_chunks(len(chunks) * k)  # part c of chunk c // k (k = 1: the chunks themselves)
+        times = {"gen": 0.0, "rew": 0.0}
+
+        def pad_passes(mine: list[int]) -> None:
             # generate on a sharded policy gathers its blocks: every rank calls it as often (vLLM holds its own copy)
             for _ in range(self.dist.passes_to_pad(len(mine)) if getattr(self.generator, "synced", False) else 0):
                 self.generator.generate([self.data.prompt_ids[chunks[0][0]]], chunks[0][:1], seed=0)
-            for c in mine:
-                t0 = time.perf_counter()
-                prompts = chunks[c // k]
-                rollout = self.generator.generate(
-                    [self.data.prompt_ids[i] for i in prompts], prompts, budgets[c] if budgets else G // k,
-                    seed=self._chunk_seed(step, round_, c),
-                )  # fmt: skip
-                t1 = time.perf_counter()
-                local.append((c, rollout, self._score(rollout, step)))
-                t_gen += t1 - t0
-                t_rew += time.perf_counter() - t1
-        except Exception as err:
-            if not self.dist.active:
-                raise
-            # the other ranks wait at the gather below: tell them, so every rank stops with the reason
-            failure = err
-            local = [(-1, f"rank {self.dist.rank}: {type(err).__name__}: {err}", None)]
-        parts = sorted(self.dist.gather_objects(local), key=lambda item: item[0])
-        failed = [msg for c, msg, _ in parts if c < 0]
-        if failure is not None:
-            raise failure
-        if failed:
-            raise RuntimeError("generation or scoring failed on another rank: " + "; ".join(failed))
+
+        def work(c: int) -> tuple[Rollout, RewardScores]:  # part c of chunk c // k (k = 1: the chunks themselves)
+            t0 = time.perf_counter()
+            prompts = chunks[c // k]
+            rollout = self.generator.generate(
+                [self.data.prompt_ids[i] for i in prompts], prompts, budgets[c] if budgets else G // k,
+                seed=self._chunk_seed(step, round_, c),
+            )  # fmt: skip
+            t1 = time.perf_counter()
+            scores = self._score(rollout, step)
+            times["gen"] += t1 - t0
+            times["rew"] += time.perf_counter() - t1
+            return rollout, scores
+
+        parts = self._gathered(work, len(chunks) * k, pad_passes)
         if budgets:  # ragged groups: pad each prompt's group to the largest, padding unscored (NaN) and masked
             width, pad = max(budgets), self.generator.pad_id
-            parts = [(c, r.padded(width, pad), replace(sc, values=_nan_rows(sc.values, width))) for c, r, sc in parts]
-        rollout = Rollout.concat([r for _, r, _ in parts], self.generator.pad_id)
-        scores = [sc for _, _, sc in parts]
-        merged = RewardScores(
-            torch.cat([sc.values for sc in scores]),
-            [sum(col) for col in zip(*(sc.none_counts for sc in scores))],
-            [sum(col) for col in zip(*(sc.error_counts for sc in scores))],
-        )
+            parts = [(r.padded(width, pad), replace(sc, values=_nan_rows(sc.values, width))) for r, sc in parts]
+        rollout = Rollout.concat([r for r, _ in parts], self.generator.pad_id)
+        merged = RewardScores.concat([sc for _, sc in parts])
+        t_gen, t_rew = times["gen"], times["rew"]
         if k > 1:
             rows = whole_groups([len(c) for c in chunks], k, G)
             rollout = rollout.select_rows(rows, G)

@@ -406,6 +406,12 @@ class RewardScores:
     errors: list[Optional[str]] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
 
+    @staticmethod
+    def concat(scores: list["RewardScores"]) -> "RewardScores":
+        """The scores of consecutive row blocks as one: values stacked, counts summed."""
+        counts = [[sum(c) for c in zip(*(getattr(s, k) for s in scores))] for k in ("none_counts", "error_counts")]
+        return RewardScores(torch.cat([s.values for s in scores]), *counts)
+
 
 def _to_float(value: Any, name: str, i: int) -> float:
     if value is None:

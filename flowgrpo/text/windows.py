@@ -96,12 +96,7 @@ class Windows:
         parts = collector._gathered(work, len(chunks))
         rollout = Rollout.concat([r for r, _ in parts], collector.generator.pad_id)
         rollout.group_size = cfg.group_size
-        scores = [sc for _, sc in parts]
-        merged = RewardScores(
-            torch.cat([sc.values for sc in scores]),
-            [sum(col) for col in zip(*(sc.none_counts for sc in scores))],
-            [sum(col) for col in zip(*(sc.error_counts for sc in scores))],
-        )
+        merged = RewardScores.concat([sc for _, sc in parts])
         finished = ~rollout.truncated
         ended = finished | (pool.length + rollout.lengths >= self.budget)
         record.update({
