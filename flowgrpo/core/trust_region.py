@@ -11,7 +11,8 @@ everything else takes the unclipped policy gradient. The mask carries no gradien
 Sources: verl-project/verl-omni @ a1139ba, verl_omni/trainer/diffusion/diffusion_algos.py FlowDPPOLoss.compute_loss
 (sigma_t = std_dev_t * sqrt_dt: the transition std, our `std`); Tencent-Hunyuan/UniRL @ 1a7b501,
 unirl/algorithms/flowdppo.py _flowdppo_kl_adv_loss (the same mask; kl_mask_threshold 1e-5,
-add_kl_coefficient true in examples/diffusion/sd3_flowdppo.yaml).
+add_kl_coefficient true in examples/diffusion/sd3_flowdppo.yaml). UniRL's `_compute_sigma_t` recomputes sigma_t
+with sigma clamped at 0.99, which differs from its kernel's std (and ours, and verl-omni's) at sigma = 1 only.
 
 Why a loss part and not a method: both implementations reuse Flow-GRPO's rollout (SDE), re-scored log-probs
 and old means unchanged and differ only in the per-action surrogate, so `flow_dppo` is a surrogate in

@@ -10,8 +10,9 @@ For a clean sample x0 with advantage A, training times t (`awm.time_sampling`) a
         + kl_coef * mean_terms mean_dims (v_theta - v_ref)^2 + ema_kl_coef * mean_terms mean_dims (v_theta - v_ema)^2
 One term is one (sample, time); logp_old is the rollout weights' logp of the same term (on the first
 mini-batch it is logp itself, detached: r = 1 and the gradient is A' dW/dtheta). The EMA policy is a second
-LoRA adapter, theta_ema <- d theta_ema + (1 - d) theta after each iteration, d = min(ema_kl_decay, 0.001 *
-optimizer steps) ("linear") or ema_kl_decay ("constant").
+LoRA adapter, theta_ema <- d theta_ema + (1 - d) theta after each iteration, d = min(ema_kl_decay, rate * clock)
+("linear"; the authors: rate 0.001, clock = optimizer steps taken; Flow-Factory: rate 0.3 / 1000, clock = the
+iteration's 0-based index) or ema_kl_decay ("constant").
 
 Source: scxue/advantage_weighted_matching @ be51372, advantage_weighted_matching/scripts/train_sd3_awm.py:
 compute_log_prob_awm (err, weightings), the training loop's time draws (time_type discrete / discrete_wo_init /
@@ -62,6 +63,10 @@ class AWMConfig(MatchingTimes):
     ema_kl_coef: float = Field(0.0, ge=0)  # |v - v_ema|^2 (recipes: 1)
     ema_kl_decay: float = Field(0.3, ge=0, lt=1)
     ema_kl_decay_type: Literal["linear", "constant"] = "linear"
+    # linear: d = min(ema_kl_decay, ema_kl_decay_rate * clock). The authors: 0.001 per optimizer step taken;
+    # Flow-Factory: ema_decay / warmup_steps (0.3 / 1000) per iteration, counted before the iteration's update
+    ema_kl_decay_rate: float = Field(0.001, gt=0)
+    ema_kl_clock: Literal["optimizer_steps", "iterations"] = "optimizer_steps"
 
 
 # --- the formulas --------------------------------------------------------------------------------
@@ -87,6 +92,14 @@ def weighted_log_prob(err: Tensor, t: Tensor, weighting: str, power: float = 0.2
         tiny = torch.tensor(1e-10, dtype=err.dtype, device=err.device)
         return -(torch.pow(err + tiny, power) - torch.pow(tiny, power)) * t / power
     raise ValueError(f"awm.weighting: unknown {weighting!r}")
+
+
+def ema_kl_decay(s: AWMConfig, optimizer_steps: int, iteration: int) -> float:
+    """The EMA policy's decay after an iteration: `optimizer_steps` taken so far, `iteration` its 0-based index."""
+    if s.ema_kl_decay_type == "constant":
+        return s.ema_kl_decay
+    clock = optimizer_steps if s.ema_kl_clock == "optimizer_steps" else iteration
+    return min(s.ema_kl_decay, s.ema_kl_decay_rate * clock)
 
 
 def awm_advantage(adv: Tensor, adv_clip_max: float, advantage_max: Optional[float]) -> Tensor:
@@ -355,8 +368,7 @@ class AWMMethod(MatchingMethod):
         s = self.ctx.cfg.awm
         if not s.ema_kl_coef:
             return
-        steps = self.ctx.optimizer_step.total
-        decay = s.ema_kl_decay if s.ema_kl_decay_type == "constant" else min(s.ema_kl_decay, 0.001 * steps)
+        decay = ema_kl_decay(s, self.ctx.optimizer_step.total, self.ctx.iteration)
         blend(self.ema_params, self.ctx.params, decay)
         record["awm/ema_decay"] = decay
 
@@ -383,6 +395,7 @@ __all__ = [
     "awm_advantage",
     "awm_policy_loss",
     "draw_times",
+    "ema_kl_decay",
     "matching_error",
     "weighted_log_prob",
     "term_count",

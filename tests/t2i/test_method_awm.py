@@ -7,10 +7,12 @@ import pytest
 import torch
 
 from flowgrpo.t2i.awm import (
+    AWMConfig,
     MatchingTimes,
     awm_advantage,
     awm_policy_loss,
     draw_times,
+    ema_kl_decay,
     matching_error,
     weighted_log_prob,
 )
@@ -95,6 +97,17 @@ def test_time_draws_stratify_the_grid():
     assert all(0 < x <= 1 for x in t0.tolist())
     ln = draw_times(g, times.model_copy(update={"time_sampling": "logit_normal", "timesteps": 4}), sig)
     assert ln.shape == (4,) and all(0.01 <= x < 1 for x in ln.tolist())
+
+
+def test_ema_kl_decay_clocks():
+    """The authors: min(0.3, 0.001 x optimizer steps taken); Flow-Factory: min(0.3, 0.3 / 1000 x iteration index)."""
+    awm = AWMConfig()
+    assert [ema_kl_decay(awm, k, k - 1) for k in (1, 150, 300, 301, 5000)] == pytest.approx([1e-3, 0.15, 0.3, 0.3, 0.3])
+    ff = AWMConfig(ema_kl_decay_rate=0.3 / 1000, ema_kl_clock="iterations")
+    assert [ema_kl_decay(ff, 7 * k + 7, k) for k in (0, 1, 500, 1000, 4000)] == pytest.approx(
+        [0.0, 3e-4, 0.15, 0.3, 0.3]
+    )
+    assert ema_kl_decay(AWMConfig(ema_kl_decay_type="constant"), 1, 0) == 0.3
 
 
 def test_one_iteration_counts_forwards_and_keeps_ratio_one(recipe_config):
