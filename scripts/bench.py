@@ -6,6 +6,7 @@
     HF_HUB_OFFLINE=1 python scripts/bench.py --gpu                 # SD3.5-M-sized random transformer, 512 px (CUDA)
     python scripts/bench.py --gpu-render docs/bench_t2i_gpu.json   # re-write the GPU section from a saved run
     HF_HUB_OFFLINE=1 python scripts/bench.py --to-reward-rise 0.005 # each recipe's counts / time to reach a reward
+    HF_HUB_OFFLINE=1 python scripts/bench.py --recipes draft_lv --published none --merge  # re-measure some rows only
 
 Every recipe runs in its own Python process (peak memory is then the recipe's own; one recipe's state
 cannot leak into the next), one after the other. Each builds a T2ITrainer from configs/t2i/tiny/<recipe>.yaml
@@ -34,6 +35,10 @@ to_reward (the compute-normalised comparison).
 mean) first reaches R, or its own first-iteration reward + D, and report the iterations, counted denoiser rows,
 backward passes, reward calls and seconds it took; writes docs/bench_t2i_to_reward.json and the section
 "## Compute to reach a reward (tiny models, CPU)".
+
+--merge: run only --recipes and put their rows into the recorded JSON (the other rows, the header and the published
+part are kept; the rerun's date, git, load and command are listed as "re-measured" in the section), then re-write
+the section from it: for a recipe added or changed since the last full run.
 
 Writes --json (docs/bench_t2i.json) and the section "## Text-to-image recipes (tiny models, CPU)" of
 --markdown (docs/benchmarks.md, created with "# Benchmarks" if missing; other sections are kept). --gpu writes
@@ -71,6 +76,8 @@ from scripts.bench_t2i.report import (  # noqa: E402,F401
     load_gpu,
     machine,
     markdown,
+    merge_run,
+    remeasured_lines,
     versions,
     write_section,
 )
@@ -154,6 +161,8 @@ def _to_reward(args, result: dict, tmp: Path) -> dict:
         if args.json != str(ROOT / "docs" / "bench_t2i.json")
         else ROOT / "docs" / "bench_t2i_to_reward.json"
     )
+    if args.merge:
+        result = merge_run(json.loads(path.read_text()), result, "to_reward", list(RECIPES))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1, default=_json_default) + "\n")
     write_section(Path(args.markdown), to_reward_markdown(result), TO_REWARD_SECTION)
@@ -174,6 +183,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out-dir", default=None, help="run folders (default: a temporary folder, removed after)")
     p.add_argument("--json", default=str(ROOT / "docs" / "bench_t2i.json"))
     p.add_argument("--markdown", default=str(ROOT / "docs" / "benchmarks.md"))
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="run only --recipes and merge their rows into the recorded --json (and its section)",
+    )
     p.add_argument(
         "--in-process",
         action="store_true",
@@ -286,6 +300,8 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(f"--published: unknown {unknown}; valid: {list(PUBLISHED)}")
         result["published"] = _run_worker("published", ",".join(keys), args, Path(tmp)) if keys else {}
         result["load_after"] = [round(x, 2) for x in os.getloadavg()]
+    if args.merge:
+        result = merge_run(json.loads(Path(args.json).read_text()), result, "recipes", list(RECIPES))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1, default=_json_default) + "\n")
     write_section(Path(args.markdown), markdown(result, load_gpu()))

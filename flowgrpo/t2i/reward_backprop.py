@@ -1,6 +1,6 @@
 """method: reward_backprop - direct reward back-propagation: the gradient of a differentiable reward flows back
-through the decoder and the last denoising steps into the policy (DRaFT-K, ReFL, AlignProp). No advantage, no
-log-prob: the loss is the (negated) reward itself.
+through the decoder and the last denoising steps into the policy (DRaFT-K, DRaFT-LV, ReFL, AlignProp). No
+advantage, no log-prob: the loss is the (negated) reward itself.
 
 The rollout is the policy's own deterministic sample (plan ode_only: Euler steps x_{i+1} = x_i - (s_i - s_{i+1}) v
 of a flow-matching model; DDIM with eta 0 of an epsilon model, SD1.5); its stored states are the no-grad prefix.
@@ -8,6 +8,9 @@ From the state before the grad window, under the current weights, with the same 
     draft_k:   K = reward_backprop.k; steps T-K .. T-1 with grad -> x_T                    (DRaFT-K)
     refl:      t ~ U{T1..T2} (0-based grid steps); one step with grad, x0 = x_t - s_t v (DDIM: its x0)     (ReFL)
     alignprop: K ~ U{k_min..k_max} per micro-batch; steps T-K .. T-1 with grad -> x_T      (AlignProp)
+    draft_lv:  from the rollout's final x_T (no grad), n = lv_samples times: fresh eps, the forward process to the
+               last grid step, x = (1 - s) x_T + s eps at s = sigma_{T-1} (DDIM: sqrt(ab) x_T + sqrt(1 - ab) eps at
+               alpha_bar_{T-1}), then that one step with grad; loss_i sums over the n draws    (DRaFT-LV)
     R = sum_k w_k r_k(decode(x)),   loss_i = scale * (-R_i)  or, with a margin m,  scale * relu(m - R_i)
     L = sum_{i in micro-batch} loss_i / (samples of the mini-batch, every rank)
 Each denoiser call of the window runs under torch.utils.checkpoint (`checkpointing`): its activations are
@@ -15,8 +18,11 @@ recomputed in backward, so memory grows with K by one latent per step, not by on
 
 Sources. DRaFT (Clark et al. 2023, arXiv 2309.17400; no official code, and the paper was not at hand here, so its
 section and equation numbers are not cited: unverified): loss = -r(x0, c) back-propagated through the sampler,
-DRaFT-K stops the gradient before the last K steps (K = 1 their recommended trade-off); DRaFT-LV (K = 1 with
-extra noise draws of the last step) is not ported. ReFL (Xu et al. 2023, ImageReward): THUDM/ImageReward @
+DRaFT-K stops the gradient before the last K steps (K = 1 their recommended trade-off). DRaFT-LV, as recalled
+from the paper's Algorithm 1 (its text could not be read here: unverified): after the no-grad sample x_0, for
+i = 1..n draw eps, noise stop_grad(x_0) to the last step's level with the forward process, denoise that one step
+with grad and add grad r(x_0^i, c) to the update (a sum over the draws, not a mean), n = 2; third-party
+re-implementations default to n = 2 as well (one of them averages the rewards instead; we keep the sum). ReFL (Xu et al. 2023, ImageReward): THUDM/ImageReward @
 1beb4e4, ImageReward/ReFL.py `train`: 40 DDPM steps, no-grad up to step t = randint(30, 39), one denoiser call
 with grad at t, x0 = the scheduler's pred_original_sample, loss = relu(2 - r) * grad_scale (scripts/train_refl.sh:
 grad_scale 1e-3, lr 1e-5, batch 8 GPUs x 2 x 4 accumulation, 100 steps, EMA); the authors pass the integer t as
@@ -45,10 +51,11 @@ from torch.utils.checkpoint import checkpoint
 from ..core import StrictModel, compute_advantages
 from ..run.update import MiniBatch, MicroLoss, pass_generator, record_update, run_update
 from .methods import METHODS, ImageContext, ImageMethod, ScoredRollout, leaf_batch
+from pipelines.schedules import DDIMSchedule
 from pipelines.steps import step
 
-Form = Literal["draft_k", "refl", "alignprop"]
-FORMS = ("draft_k", "refl", "alignprop")
+Form = Literal["draft_k", "draft_lv", "refl", "alignprop"]
+FORMS = ("draft_k", "draft_lv", "refl", "alignprop")
 
 
 class RewardBackpropConfig(StrictModel):
@@ -56,6 +63,7 @@ class RewardBackpropConfig(StrictModel):
 
     form: Form = "draft_k"
     k: int = Field(1, ge=1)  # draft_k: the last k steps carry grad (DRaFT-1 is the paper's recommendation)
+    lv_samples: int = Field(2, ge=1)  # draft_lv: noise draws of the last step per sample (the paper's n = 2)
     # refl: the grad step t is drawn from [T1, T2] (0-based grid steps); None: [ceil(3T / 4), T - 1] (the
     # authors' 30..39 of 40 steps)
     refl_steps: Optional[tuple[int, int]] = None
@@ -89,6 +97,8 @@ def grad_window(s: RewardBackpropConfig, num_steps: int, g: torch.Generator) -> 
         if s.k > T:
             raise ValueError(f"reward_backprop.k {s.k} exceeds sampler.num_steps {T}")
         return T - s.k, s.k, False
+    if s.form == "draft_lv":  # the last step, from the re-noised final sample (`renoise`), lv_samples times
+        return T - 1, 1, False
     if s.form == "refl":
         low, high = s.refl_steps if s.refl_steps is not None else (-(-3 * T // 4), T - 1)
         if high > T - 1:
@@ -133,6 +143,22 @@ def denoise(
     return x
 
 
+def renoise(x0: Tensor, schedule: Any, i: int, noise: Tensor) -> Tensor:
+    """The forward process from a clean sample to the noise level of grid step i (DRaFT-LV): (1 - s_i) x0 + s_i eps
+    on a flow-matching grid, sqrt(ab_i) x0 + sqrt(1 - ab_i) eps on a DDIM one (alpha_bar at timesteps[i])."""
+    x0 = x0.detach()
+    if isinstance(schedule, DDIMSchedule):
+        ab = schedule.alpha_bar[i].to(device=x0.device, dtype=torch.float32)
+        return (ab.sqrt() * x0 + (1 - ab).sqrt() * noise).to(x0.dtype)
+    s = schedule.sigmas[i].to(device=x0.device, dtype=torch.float32)
+    return ((1 - s) * x0 + s * noise).to(x0.dtype)
+
+
+def draws(s: RewardBackpropConfig) -> int:
+    """Passes through the grad window per sample: draft_lv's noise draws, 1 for the other forms."""
+    return s.lv_samples if s.form == "draft_lv" else 1
+
+
 def reward_loss(R: Tensor, margin: Optional[float], scale: float) -> Tensor:
     """Per-sample loss [B] of weighted rewards R [B] (float64): scale (-R), or scale relu(margin - R)."""
     R = R.double()
@@ -169,7 +195,7 @@ def check_differentiable(scorers: list[tuple[str, float, Any]]) -> None:
 
 @METHODS.register("reward_backprop")
 class RewardBackpropMethod(ImageMethod):
-    """DRaFT-K / ReFL / AlignProp: the gradient of a differentiable reward through the last denoising steps."""
+    """DRaFT-K / DRaFT-LV / ReFL / AlignProp: the gradient of a differentiable reward through the last denoising steps."""
 
     @staticmethod
     def check_config(cfg: Any) -> None:
@@ -224,40 +250,54 @@ class RewardBackpropMethod(ImageMethod):
         counters = ctx.sampler.counters
         stats = {"calls": 0, "recompute": 0}
 
+        n_draws = draws(s)
+        noise_gen = pass_generator(cfg.seed + 2, ctx.iteration, 0)  # draft_lv's draws: seeded, a resume repeats them
+
         def loss_of(rows: Tensor, window: tuple[int, int, bool], norm: float) -> tuple[Tensor, dict[str, float]]:
             start, steps, predict_x0 = window
             rows_embeds = embeds.index(prompt_of[rows])
-            x = tree.states[chain[rows, start]].to(adapter.device)
+            local = prompt_of[rows].tolist()
+            keys = sorted({k for i in local for k in meta[i]}) if meta else []
 
             def velocity(x: Tensor, i: int) -> Tensor:
                 t = times[i].to(x.device).expand(x.shape[0])
                 v: Tensor = adapter.model_output(x, t, rows_embeds, cfg.sampler.guidance_scale, mode)
                 return v
 
-            x_end = denoise(velocity, x, start, steps, schedule, predict_x0, s.checkpointing, kernel, settings)
-            counters.nfe_grad += rows.numel() * steps * per_row
+            if s.form == "draft_lv":  # the final sample, re-noised to the last step's level once per draw
+                final = tree.states[chain[rows, T]].to(adapter.device)
+                eps = torch.randn((n_draws, *final.shape), generator=noise_gen).to(final.device, final.dtype)
+                starts = [renoise(final, schedule, start, e) for e in eps]
+            else:
+                starts = [tree.states[chain[rows, start]].to(adapter.device)]
+            per = torch.zeros(rows.numel(), dtype=torch.float64, device=adapter.device)
+            Rs, parts_all = [], []
+            for x in starts:
+                x_end = denoise(velocity, x, start, steps, schedule, predict_x0, s.checkpointing, kernel, settings)
+                R, parts = weighted_reward(
+                    adapter.decode(x_end),
+                    [rollout.prompts[i] for i in local],
+                    {k: [meta[i].get(k) for i in local] for k in keys},
+                    self.scorers,
+                )
+                ok = torch.isfinite(R.detach())
+                per = per + reward_loss(torch.where(ok, R, torch.zeros_like(R)), s.margin, s.loss_scale) * ok
+                Rs.append(R.detach()[ok])
+                parts_all.append(parts)
+            counters.nfe_grad += rows.numel() * steps * per_row * len(starts)
             if s.checkpointing:
-                stats["recompute"] += rows.numel() * steps * per_row
-            images = adapter.decode(x_end)
-            local = prompt_of[rows].tolist()
-            keys = sorted({k for i in local for k in meta[i]}) if meta else []
-            R, parts = weighted_reward(
-                images,
-                [rollout.prompts[i] for i in local],
-                {k: [meta[i].get(k) for i in local] for k in keys},
-                self.scorers,
-            )
-            stats["calls"] += len(self.scorers)
-            ok = torch.isfinite(R.detach())
-            per = reward_loss(torch.where(ok, R, torch.zeros_like(R)), s.margin, s.loss_scale)
-            loss = (per * ok).sum().float() / norm
+                stats["recompute"] += rows.numel() * steps * per_row * len(starts)
+            stats["calls"] += len(self.scorers) * len(starts)
+            loss = per.sum().float() / norm
+            finite = torch.cat(Rs)
             metrics = {
                 "loss/policy": float(loss.detach()),
-                "reward_backprop/reward_mean": float(R.detach()[ok].mean()) if bool(ok.any()) else float("nan"),
-                "reward_backprop/grad_steps": float(steps),
+                "reward_backprop/reward_mean": float(finite.mean()) if finite.numel() else float("nan"),
+                "reward_backprop/grad_steps": float(steps * len(starts)),
                 "reward_backprop/first_grad_step": float(start),
             }
-            for label, r in parts.items():
+            for label in parts_all[0]:
+                r = torch.cat([p[label] for p in parts_all])
                 metrics[f"reward_backprop/{label}_mean"] = float(r[torch.isfinite(r)].mean())
             return loss, metrics
 
@@ -313,14 +353,16 @@ def grad_rows(cfg: Any, iteration: int, n: int) -> int:
         micros = [list(m.split(cfg.train.micro_batch_size)) for m in torch.arange(n).chunk(cfg.train.mini_batches)]
         windows = micro_windows(cfg, T, iteration, epoch, [len(m) for m in micros])
         total += sum(r.numel() * w[1] for rows, wins in zip(micros, windows) for r, w in zip(rows, wins))
-    return total * (1 if cfg.sampler.cfg_mode == "none" else 2)
+    return total * draws(cfg.reward_backprop) * (1 if cfg.sampler.cfg_mode == "none" else 2)
 
 
 def expected_grad_steps(s: RewardBackpropConfig, T: int) -> float:
-    """Denoiser calls with grad per image and pass, in expectation over the drawn windows: draft_k K, refl 1,
-    alignprop (k_min + k_max) / 2."""
+    """Denoiser calls with grad per image and pass, in expectation over the drawn windows: draft_k K, draft_lv its
+    noise draws n, refl 1, alignprop (k_min + k_max) / 2."""
     if s.form == "draft_k":
         return float(s.k)
+    if s.form == "draft_lv":
+        return float(s.lv_samples)
     if s.form == "refl":
         return 1.0
     low, high = s.truncation if s.truncation is not None else (1, T)
@@ -332,10 +374,12 @@ __all__ = [
     "RewardBackpropMethod",
     "check_differentiable",
     "denoise",
+    "draws",
     "expected_grad_steps",
     "grad_rows",
     "grad_window",
     "micro_windows",
+    "renoise",
     "reward_loss",
     "weighted_reward",
 ]

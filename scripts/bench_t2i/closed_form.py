@@ -209,8 +209,9 @@ def update_counts(cfg, T: int, P: int, G: int, record: dict[str, Any] | None = N
                      x grad rows, + awm's old log-probs: every term after the first mini-batch, tau (E S - S_1)
       diffusion_dpo: M pairs (online best_worst: P; margin 0: P G (G - 1) / 2; offline: pairs_per_iteration),
                      tau = dpo.timesteps: grad 2 tau E M, no-grad (reference) 2 tau E M, backward tau E m(M)
-      reward_backprop: grad K E PG (K: draft_k k, refl 1, alignprop drawn per micro-batch), backward E m(PG), and
-                       E m(PG) calls of every scorer in the update
+      reward_backprop: grad K n E PG (K: draft_k k, refl 1, alignprop drawn per micro-batch; n: draft_lv's noise
+                       draws of the last step, K = 1, else 1), backward E m(PG), and n E m(PG) calls of every
+                       scorer in the update
     """
     method, E = cfg.method, cfg.train.inner_epochs
     images, simple = P * G, True
@@ -285,15 +286,19 @@ def update_counts(cfg, T: int, P: int, G: int, record: dict[str, Any] | None = N
 def _reward_backprop_counts(cfg, T: int, images: int, record: dict[str, Any] | None) -> dict[str, Any]:
     """reward_backprop (flowgrpo/t2i/reward_backprop.py): per micro-batch of B samples, K steps with grad from the
     stored state before the window (draft_k: K = k; refl: 1; alignprop: K drawn per micro-batch, the random input
-    read from the method's seeded draw), then one call of each scorer on the decoded result. Grad B K (x2 under
+    read from the method's seeded draw; draft_lv: K = 1 from the re-noised final sample, n = lv_samples times),
+    then one call of each scorer on each decoded result. Grad B K n (x2 under
     CFG; checkpointing recomputes them in backward, which the hooks see and the counters do not), no no-grad rows
     beyond the rollout, one backward per micro-batch."""
     s, E = cfg.reward_backprop, cfg.train.inner_epochs
     c = 1 if cfg.sampler.cfg_mode == "none" else 2
     micros = _micro_batches(images, cfg) * E
-    if s.form in ("draft_k", "refl"):
+    n = s.lv_samples if s.form == "draft_lv" else 1  # draft_lv: the last step once per noise draw, each scored
+    if s.form in ("draft_k", "refl", "draft_lv"):
         K = s.k if s.form == "draft_k" else 1
-        grad, text = c * K * E * images, f"{s.form}: K = {K} grad steps per sample"
+        grad, text = c * K * n * E * images, f"{s.form}: K = {K} grad steps per sample"
+        if s.form == "draft_lv":
+            text += f" x n = {n} noise draws of the last step"
     else:
         from flowgrpo.t2i.reward_backprop import grad_rows
 
@@ -303,7 +308,7 @@ def _reward_backprop_counts(cfg, T: int, images: int, record: dict[str, Any] | N
         "grad": grad,
         "nograd": 0,
         "backward": micros,
-        "formula": f"{text}; + {micros} x {len(cfg.rewards)} scorer calls in the update",
+        "formula": f"{text}; + {micros * n} x {len(cfg.rewards)} scorer calls in the update",
         "simple": not math.isnan(grad),
-        "extra_reward_calls": micros * len(cfg.rewards),
+        "extra_reward_calls": micros * n * len(cfg.rewards),
     }

@@ -37,6 +37,7 @@ RECIPES = (
     "gardo",
     "gardo_nft",
     "draft_k",
+    "draft_lv",
     "refl",
     "alignprop",
 )

@@ -296,6 +296,7 @@ def markdown(result: dict, gpu: dict | None = None) -> str:
         f"- each recipe: configs/t2i/tiny/<recipe>.yaml in its own process, {a['warmup']} warm-up + "
         f"{a['iterations']} measured iterations of T2ITrainer.train_iteration() (tiny random models, 32 px, CPU, fp32)"
         + ("; --in-process: all recipes in one process, so peak RSS is cumulative" if a["in_process"] else ""),
+        *remeasured_lines(result),
         gpu_pointer(gpu),
         "",
         "Counts per final (trained) image: rows through the denoiser (CFG would double them; the tiny recipes "
@@ -359,16 +360,69 @@ def markdown(result: dict, gpu: dict | None = None) -> str:
         "pairs (online best_worst: P; offline: pairs_per_iteration); GARDO + the reference's rows on the gated "
         "samples (K edges or n_t times each; the gated count is data-dependent and read from the record); reward "
         "backprop (DRaFT-K, ReFL, AlignProp) K grad rows per sample (AlignProp's K drawn per micro-batch, read from "
-        "its seeded draw), one backward and one call of each scorer per micro-batch (the hooks also see the grad "
+        "its seeded draw), one backward and one call of each scorer per micro-batch; DRaFT-LV the last step from "
+        "the re-noised final sample once per noise draw, n grad rows per sample and n calls of each scorer per "
+        "micro-batch (the hooks also see the grad "
         "rows that gradient checkpointing recomputes in backward: hook and counter rows differ there). Per recipe "
         "the formula with its numbers is in the JSON (`formula_first_iteration`; each iteration's closed form under `iterations`).",
         "",
         "Reading:",
         "",
     ]
-    lines += reading(result, gpu)
+    lines += reading(result, gpu) + remeasured_reading(result)
     lines += published_lines(result.get("published") or {})
     return "\n".join(lines) + "\n"
+
+
+MERGE_SETTINGS = ("iterations", "warmup", "num_threads", "in_process", "to_reward", "to_reward_rise")
+
+
+def merge_run(base: dict, run: dict, key: str, order: list[str]) -> dict:
+    """`base` (a recorded run) with `run`'s entries under `key` ("recipes" or "to_reward") replacing or joining
+    its own, in `order` (others after); the rerun's date, git, load and command go under base["remeasured"]: the
+    header keeps describing the first run. The measuring settings must be the same (a clear error names them)."""
+    a, b = base["settings"], run["settings"]
+    differ = [k for k in MERGE_SETTINGS + tuple(k for k in b if k.startswith("to_reward")) if a.get(k) != b.get(k)]
+    if differ:
+        raise SystemExit(
+            f"--merge: the recorded run was measured with other settings ({', '.join(f'{k} {a.get(k)!r}' for k in differ)}"
+            f"; this run: {', '.join(f'{k} {b.get(k)!r}' for k in differ)}): rerun with the recorded ones"
+        )
+    entries = {**base[key], **run[key]}
+    names = [n for n in order if n in entries] + [n for n in entries if n not in order]
+    base[key] = {n: entries[n] for n in names}
+    base["settings"]["recipes"] = ",".join(names)
+    if run.get("published"):
+        base["published"] = run["published"]
+    stamp = {k: run[k] for k in ("date", "command", "git", "load_before", "load_after")}
+    base.setdefault("remeasured", []).append({**stamp, "recipes": list(run[key])})
+    return base
+
+
+def remeasured_lines(result: dict) -> list[str]:
+    """One header line per --merge rerun: which rows it replaced, when, from which code, under which load."""
+    return [
+        f"- re-measured {', '.join(r['recipes'])} (their rows replace the first run's): {r['date']}; git "
+        f"{r['git']['commit']}{' (uncommitted changes)' if r['git']['dirty'] else ''}; load average before / after: "
+        f"{r['load_before']} / {r['load_after']}; `{r['command']}`" + (f" ({r['note']})" if r.get("note") else "")
+        for r in result.get("remeasured", [])
+    ]
+
+
+def remeasured_reading(result: dict) -> list[str]:
+    """A reading line when --merge reruns ran under another load than the first run: their seconds are not
+    comparable with the other rows' (their counts are)."""
+    runs = result.get("remeasured", [])
+    if not runs:
+        return []
+    names = ", ".join(n for r in runs for n in r["recipes"])
+    load = max(x for r in runs for x in (r["load_before"][0], r["load_after"][0]))
+    first = max(result["load_before"][0], result["load_after"][0])
+    return [
+        f"- Re-measured rows ({names}): load average up to {load} during their run, {first} during the first run; "
+        "where these differ much, their seconds (wall, and CPU seconds less so) are not comparable with the other "
+        "rows', their counts are."
+    ]
 
 
 def write_section(path: Path, section: str, heading: str = SECTION) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .recipes import RECIPES_DIR, quiet_overrides, quiet_warnings
+from .report import remeasured_lines, remeasured_reading
 
 SECTION = "## Compute to reach a reward (tiny models, CPU)"
 WATCH = "rewards/brightness/mean"  # every tiny recipe logs brightness (weight 0 where it is not the reward)
@@ -108,6 +109,7 @@ def to_reward_markdown(result: dict) -> str:
         f"- machine: {mach['cpu']}, {mach['logical_cpus']} logical CPUs shared with other jobs, torch threads "
         f"{a['num_threads']}; load average before / after: {result['load_before']} / {result['load_after']} "
         "(other jobs ran on the same cores: the CPU seconds are the steadier column, wall seconds are indicative)",
+        *remeasured_lines(result),
         f"- task: every recipe's configs/t2i/tiny/<recipe>.yaml as is (tiny random models, 32 px, brightness as the "
         f"reward, seed {_seeds(rows)}), trained until the running mean of the last {a['to_reward_window']} iterations' "
         f"rollout brightness first reaches {target}, at most {a['to_reward_max_iterations']} iterations; each "
@@ -158,4 +160,5 @@ def to_reward_markdown(result: dict) -> str:
         "- One run per recipe, one seed: the iteration at which a noisy running mean crosses the target moves by "
         "a few iterations from seed to seed, so small differences in this table are not significant."
     )
+    lines += remeasured_reading(result)
     return "\n".join(lines) + "\n"

@@ -186,3 +186,23 @@ def test_text_encoder_forwards_count_as_model_calls():
     assert first["text_encoder_calls"] >= 3 and first["text_encoder_s"] > 0
     assert first["union_all_s"] == pytest.approx(first["text_encoder_s"])  # one encoder after the other
     assert again["text_encoder_calls"] == 0
+
+
+def test_merge_replaces_and_adds_rows_and_records_the_rerun(bench):
+    """--merge: the rerun's recipes replace or join the recorded ones in RECIPES order, the header and published part
+    stay, the rerun is listed as re-measured; other measuring settings are refused."""
+    settings = {"recipes": "flow_grpo,refl", "iterations": 3, "warmup": 1, "num_threads": 1, "in_process": False}
+    stamp = {"git": {"commit": "abc1234", "dirty": False}, "load_before": [1.0], "load_after": [2.0]}
+    base = {"date": "old", "command": "c0", **stamp, "settings": dict(settings), "published": {"p": 1}}
+    base["recipes"] = {"flow_grpo": {"v": 0}, "refl": {"v": 0}}
+    run = {"date": "new", "command": "c1", **stamp, "settings": dict(settings), "published": {}}
+    run["recipes"] = {"refl": {"v": 1}, "draft_lv": {"v": 1}}
+    merged = bench.merge_run(json.loads(json.dumps(base)), run, "recipes", list(bench.RECIPES))
+    assert merged["recipes"] == {"flow_grpo": {"v": 0}, "draft_lv": {"v": 1}, "refl": {"v": 1}}
+    assert merged["settings"]["recipes"] == "flow_grpo,draft_lv,refl" and merged["published"] == {"p": 1}
+    assert merged["date"] == "old" and merged["remeasured"][0]["recipes"] == ["refl", "draft_lv"]
+    line = bench.remeasured_lines(merged)[0]
+    assert line.startswith("- re-measured refl, draft_lv") and "new; git abc1234" in line and "`c1`" in line
+    run["settings"]["iterations"] = 1
+    with pytest.raises(SystemExit, match="iterations 3.*this run: iterations 1"):
+        bench.merge_run(json.loads(json.dumps(base)), run, "recipes", list(bench.RECIPES))

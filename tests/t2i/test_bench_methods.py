@@ -1,4 +1,4 @@
-"""scripts/bench.py for the methods that train on clean samples (AWM, SFT, Diffusion-DPO, NFT) and GARDO: one
+"""scripts/bench.py for the methods that train on clean samples (AWM, SFT, Diffusion-DPO, NFT, DRaFT-LV) and GARDO: one
 iteration's counted denoiser rows, backward passes and reward calls equal the closed form
 (scripts/bench_t2i/closed_form.py update_counts), and the closed form equals the numbers worked out by hand here;
 the compute-to-reward mode (--to-reward) sums the counters up to the iteration that reached the target."""
@@ -74,6 +74,19 @@ def test_clean_sample_methods_count_their_closed_form(case, tmp_path, quiet):
     assert measured == (nograd, grad, backward, reward_calls), cf["formula"]
     assert (cf["nfe_nograd"], cf["nfe_grad"], cf["backward_passes"], cf["reward_calls"]) == measured
     assert row["model"]["fwd_nograd_rows"] == nograd and row["model"]["fwd_grad_rows"] == grad  # the hooks agree
+
+
+def test_draft_lv_counts_its_noise_draws(tmp_path, quiet):
+    """DRaFT-LV: 16 samples, the last step once per noise draw (n = 2) with grad: 32 grad rows, one micro-batch (one
+    backward), one scorer call per draw after the rollout's two; the hooks also see the 32 rows that checkpointing
+    recomputes in backward."""
+    row = _one_iteration("draft_lv", (), tmp_path)
+    cf = row["closed_form"]
+    assert cf["simple"] and "n = 2 noise draws" in cf["formula"], cf["formula"]
+    measured = (row["nfe_nograd"], row["nfe_grad"], row["backward_passes"], row["reward_calls"])
+    assert measured == (96, 32, 1, 2 + 2)
+    assert (cf["nfe_nograd"], cf["nfe_grad"], cf["backward_passes"], cf["reward_calls"]) == measured
+    assert row["model"]["fwd_grad_rows"] == 2 * 32 and row["model"]["fwd_nograd_rows"] == 96
 
 
 @pytest.mark.parametrize("recipe", ["gardo", "gardo_nft"])

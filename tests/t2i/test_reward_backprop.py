@@ -18,6 +18,7 @@ from flowgrpo.t2i.reward_backprop import (
     expected_grad_steps,
     grad_rows,
     grad_window,
+    renoise,
     reward_loss,
 )
 from pipelines.schedules import flow_schedule
@@ -58,6 +59,11 @@ def test_grad_windows_per_form():
     ks = [grad_window(RewardBackpropConfig(form="alignprop", truncation=(2, 4)), 6, g) for _ in range(100)]
     assert {k for _, k, _ in ks} == {2, 3, 4} and all(start == 6 - k for start, k, _ in ks)
     assert expected_grad_steps(RewardBackpropConfig(form="alignprop"), 6) == 3.5  # K ~ U{1..6}
+    lv = RewardBackpropConfig(form="draft_lv")
+    assert grad_window(lv, 6, g) == (5, 1, False) and lv.lv_samples == 2  # the last step, the paper's n = 2 draws
+    assert expected_grad_steps(lv, 6) == 2.0
+    with pytest.raises(ValueError, match="lv_samples"):
+        RewardBackpropConfig(form="draft_lv", lv_samples=0)
     with pytest.raises(ValueError, match="k 7 exceeds sampler.num_steps 6"):
         grad_window(RewardBackpropConfig(form="draft_k", k=7), 6, g)
     with pytest.raises(ValueError, match=r"truncation: K >= 1"):
@@ -114,6 +120,48 @@ def test_refl_gradient_is_the_one_step_x0_prediction():
     mean_x = sum(float(v) for v in x_t.flatten()) / 4
     assert float(out.detach().mean()) == pytest.approx(mean_x * (1 + 0.3 * s * s) - s * 0.1, rel=1e-6)
     assert float(g) == pytest.approx(-s * s * mean_x, rel=1e-5)
+
+
+def test_draft_lv_gradient_matches_a_float64_derivation():
+    """DRaFT-LV: x_t^j = (1 - s) x_T + s eps_j at the last step's sigma s, one Euler step to s' with grad:
+    out_j = x_t^j - (s - s') (w s x_t^j + c), so d sum_j mean(out_j) / dw = -(s - s') s sum_j mean(x_t^j); the
+    final sample x_T is a constant (stop_grad)."""
+    x_T = torch.tensor([0.4, -0.9, 1.1, 0.3]).view(1, 1, 2, 2).requires_grad_(True)
+    eps = torch.randn(2, 1, 1, 2, 2, generator=torch.Generator().manual_seed(3))
+    w = torch.tensor(0.6, requires_grad=True)
+    sched, velocity = _linear_velocity(w, 0.2)
+    R = sum(denoise(velocity, renoise(x_T, sched, 5, e), 5, 1, sched, use_checkpoint=False).mean() for e in eps)
+    g, g_x = torch.autograd.grad(R, [w, x_T], allow_unused=True)
+    assert g_x is None  # no gradient into the no-grad sample
+    s, s_next = _sigmas(sched)[5:7]
+    x_t = [
+        [(1 - s) * float(a) + s * float(b) for a, b in zip(x_T.detach().flatten(), e.flatten())] for e in eps.double()
+    ]
+    assert float(R.detach()) == pytest.approx(
+        sum(sum(x * (1 - (s - s_next) * 0.6 * s) - (s - s_next) * 0.2 for x in xs) / 4 for xs in x_t), rel=1e-6
+    )
+    assert float(g) == pytest.approx(-(s - s_next) * s * sum(sum(xs) / 4 for xs in x_t), rel=1e-5)
+
+
+def test_draft_lv_on_a_ddim_grid_renoises_with_alpha_bar():
+    """An epsilon model: x_t = sqrt(ab) x + sqrt(1 - ab) eps, then DDIM (eta 0) to ab' with eps_hat = w x_t + c:
+    out = sqrt(ab') (x_t - b eps_hat) / a + sqrt(1 - ab') eps_hat, d mean(out) / dw = (sqrt(1 - ab') - sqrt(ab') b /
+    a) mean(x_t), a = sqrt(ab), b = sqrt(1 - ab)."""
+    import math
+
+    from pipelines.schedules import ddim_schedule
+
+    sched = ddim_schedule(6)
+    x, e = torch.tensor([0.5, -0.1, 1.5, 0.2]).view(1, 1, 2, 2), torch.tensor([1.0, -2.0, 0.5, 0.0]).view(1, 1, 2, 2)
+    w = torch.tensor(0.2, requires_grad=True)
+    x_t = renoise(x, sched, 5, e)
+    ab, ab_prev = float(sched.alpha_bar.double()[5]), float(sched.alpha_bar_prev.double()[5])
+    a, b = math.sqrt(ab), math.sqrt(1 - ab)
+    mean_xt = sum(a * float(u) + b * float(v) for u, v in zip(x.flatten(), e.flatten())) / 4
+    assert float(x_t.mean()) == pytest.approx(mean_xt, rel=1e-6)
+    out = denoise(lambda x, i: w * x + 0.1, x_t, 5, 1, sched, False, False, "ddim", {"eta": 0.0})
+    (g,) = torch.autograd.grad(out.mean(), w)
+    assert float(g) == pytest.approx((math.sqrt(1 - ab_prev) - math.sqrt(ab_prev) * b / a) * mean_xt, rel=1e-5)
 
 
 def test_truncation_keeps_the_gradient_inside_the_window():
@@ -192,8 +240,10 @@ def test_ddim_window_of_an_epsilon_model_matches_a_float64_derivation():
         pytest.param("draft_k", ["reward_backprop.k=2", "model.family=sd15"], marks=pytest.mark.heavy),
         ("refl", []),
         ("alignprop", []),
+        ("draft_lv", []),
+        pytest.param("draft_lv", ["model.family=sd15"], marks=pytest.mark.heavy),  # the DDIM re-noising
     ],
-    ids=["draft_k", "draft_k_sd15", "refl", "alignprop"],
+    ids=["draft_k", "draft_k_sd15", "refl", "alignprop", "draft_lv", "draft_lv_sd15"],
 )
 def test_one_iteration_counts_and_is_on_policy(tmp_path, form, overrides):
     cfg = _load(form, tmp_path / "run", "iterations=1", "group_size=4", "train.micro_batch_size=3", *overrides)
@@ -202,10 +252,12 @@ def test_one_iteration_counts_and_is_on_policy(tmp_path, form, overrides):
     assert r["reward_backprop/samples"] == n and r["backward_passes"] == 3 and r["optimizer_steps"] == 1
     assert r["nfe_nograd"] == r["rollout_nfe_nograd"] == n * T  # the rollout is the no-grad prefix: no re-run
     assert r["nfe_grad"] == grad_rows(cfg, 0, n)  # the windows drawn for the three micro-batches, replayed
-    if form != "alignprop":  # a fixed window: K rows per image
-        assert r["nfe_grad"] == n * expected_grad_steps(cfg.reward_backprop, T) == n * {"draft_k": 2, "refl": 1}[form]
+    if form != "alignprop":  # a fixed window: K rows per image (draft_lv: one per noise draw)
+        K = {"draft_k": 2, "refl": 1, "draft_lv": 2}[form]
+        assert r["nfe_grad"] == n * expected_grad_steps(cfg.reward_backprop, T) == n * K
     assert r["reward_backprop/recompute_rows"] == r["nfe_grad"]  # checkpointing: each window call again in backward
-    assert r["reward_calls"] == 2 + 3  # the rollout's two batches, then one grad pass per micro-batch
+    draws = cfg.reward_backprop.lv_samples if form == "draft_lv" else 1
+    assert r["reward_calls"] == 2 + 3 * draws  # the rollout's two batches, then each grad pass of each micro-batch
     assert r["grad_norm"] > 0
     if form == "draft_k":  # the window re-runs the rollout's last steps under the same weights: the same images
         assert r["reward_backprop/reward_mean"] == pytest.approx(r["rewards/brightness/mean"], abs=1e-5)
@@ -240,7 +292,7 @@ def _margin(recipe: str, tmp: Path, iterations: int = 8, last: int = 3) -> dict[
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("recipe", ["draft_k", "refl", "alignprop"])
+@pytest.mark.parametrize("recipe", ["draft_k", "refl", "alignprop", "draft_lv"])
 def test_reward_backprop_learns(tmp_path, recipe):
     m = _margin(recipe, tmp_path)
     assert m["first"] == pytest.approx(0.0, abs=1e-7), m
