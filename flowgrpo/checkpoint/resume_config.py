@@ -2,7 +2,8 @@
 
 A checkpoint's optimizer and schedule would otherwise silently win over the new value (a resumed
 `optim.lr=0.001` kept training at the saved 0.03). Each trainer names the top-level keys that may change
-(run length, output, ...); `_ALWAYS_FREE` never change what a resumed run computes.
+(run length, output, ...); `_ALWAYS_FREE` never change what a resumed run computes. A free key is a top-level
+key or a dotted path ("model.context_parallel"): everything under it may change.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ from typing import Any, Mapping, Optional
 
 from ..config import ConfigError
 
-# settings that never change what a resumed run computes
-_ALWAYS_FREE = {"resume", "progress", "num_threads", "guards"}
+# settings that never change what a resumed run computes. `model.context_parallel` is the launch's layout, as the
+# world size is (its degree must divide the world size, so a resume on other ranks must change it): the ranks of
+# a group split a sample's tokens, the result is the same to float32 reduction order (as FSDP2's sharding)
+_ALWAYS_FREE = {"resume", "progress", "num_threads", "guards", "model.context_parallel"}
 _MISSING = object()
 
 
@@ -31,6 +34,12 @@ def _config_diff(now: Any, saved: Any, default: Any = _MISSING, path: str = "") 
     return [] if now == saved else [(path, saved, now)]
 
 
+def _is_free(key: str, free: set[str]) -> bool:
+    """Whether the dotted `key` or a path above it is in `free`."""
+    parts = key.split(".")
+    return any(".".join(parts[:n]) in free for n in range(1, len(parts) + 1))
+
+
 def check_resume_config(
     now: Mapping[str, Any],
     saved: Optional[Mapping[str, Any]],
@@ -38,12 +47,13 @@ def check_resume_config(
     defaults: Optional[Mapping[str, Any]] = None,
 ) -> None:
     """Refuse (ConfigError, naming each key and both values) a resume whose config differs from the checkpoint's
-    outside the top-level keys in `free`: the checkpoint's optimizer and schedule would silently win over the
+    outside the keys in `free` (top-level or dotted paths) and `_ALWAYS_FREE`: the checkpoint's optimizer and schedule would silently win over the
     new value (a resumed `optim.lr=0.001` kept training at the saved 0.03)."""
     if saved is None:
         return
     diff = _config_diff(dict(now), dict(saved), _MISSING if defaults is None else dict(defaults))
-    changed = [d for d in diff if d[0].split(".")[0] not in free | _ALWAYS_FREE]
+    free = free | _ALWAYS_FREE
+    changed = [d for d in diff if not _is_free(d[0], free)]
     if changed:
         show = lambda v: "(unset)" if v is _MISSING else repr(v)  # noqa: E731
         listed = "; ".join(f"{key}: {show(old)} in the checkpoint, {show(new)} now" for key, old, new in changed[:4])

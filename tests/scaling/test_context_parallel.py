@@ -1,10 +1,13 @@
 """Context parallelism (diffusers' Ulysses) composed with FSDP2: a tiny Wan transformer on 2 gloo ranks against
-one process, the image trainer under it (a tiny Wan Flow-GRPO step on 2 and 4 ranks against 1 and 2 processes),
-the settings' checks, the (dp_shard, ring, ulysses) rank layout, and the video memory table."""
+one process, the image trainer under it (a tiny Wan Flow-GRPO step on 2 and 4 ranks against 1 and 2 processes; its
+checkpoint resumed on the same ranks and on one process without context parallelism), the settings' checks, the
+(dp_shard, ring, ulysses) rank layout, and the video memory table."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -95,6 +98,18 @@ def test_config_refuses_what_cannot_run_in_one_line(monkeypatch):
         load_t2i_config(recipe, ["model.context_parallel.ulysses=2", "method=diffusion_dpo"])
 
 
+def test_a_resume_may_change_the_context_parallel_layout_and_nothing_else_of_the_model():
+    """The degree must divide the world size, so a resume on other ranks changes it (the test below runs one)."""
+    from flowgrpo.checkpoint import check_resume_config
+    from flowgrpo.config import ConfigError
+
+    saved = {"model": {"family": "wan", "lora": {"rank": 8}, "context_parallel": {"ulysses": 2, "ring": 1}}}
+    check_resume_config({"model": {**saved["model"], "context_parallel": {"ulysses": 1, "ring": 1}}}, saved, set())
+    with pytest.raises(ConfigError, match="model.lora.rank: 8 in the checkpoint, 4 now"):
+        check_resume_config({"model": {**saved["model"], "lora": {"rank": 4}}}, saved, set())
+    check_resume_config({"model": {**saved["model"], "lora": {"rank": 4}}}, saved, {"model.lora"})  # a dotted key
+
+
 # --- the image trainer under context parallelism ---------------------------------------------------------------
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -134,28 +149,98 @@ def _wan_run(launch_ranks, monkeypatch, out: Path, world: int, *extra: str, shar
     return out
 
 
+def _lora_at(run: Path, step: int) -> dict[str, torch.Tensor]:
+    """The policy's LoRA weights in a checkpoint of `run`, whole (a sharded run's shards stitched in this process)
+    and named as the final export names them."""
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+
+    from flowgrpo.checkpoint import SHARDED, checkpoint_name, load_checkpoint
+
+    folder = run / "checkpoints" / checkpoint_name(step)
+    shards: dict[str, torch.Tensor] = {}
+    if (folder / SHARDED).is_dir():
+        reader = HuggingFaceStorageReader(str(folder / SHARDED))
+        meta = reader.read_metadata().state_dict_metadata
+        shards = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
+                  if k.startswith("tensors.policy/")}  # fmt: skip
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            load(shards, storage_reader=reader, no_dist=True)
+    policy = load_checkpoint(folder, restore_rng=False, shards=shards).tensors["policy"]
+    return {f"transformer.{k.replace('.default.', '.', 1)}": v for k, v in policy.items() if "lora_" in k}
+
+
+def _lora_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    """The largest LoRA difference relative to the largest LoRA update (LoRA B starts at 0)."""
+    assert got.keys() == want.keys() and len(got) == 32  # the 2 blocks' self- and cross-attention projections
+    update = max(float(v.abs().max()) for k, v in want.items() if "lora_B" in k)
+    assert update > 0
+    return max(float((got[k] - want[k]).abs().max()) for k in got) / update
+
+
+def _final_lora(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run / "lora/pytorch_lora_weights.safetensors"))
+
+
 def _same_step(got: Path, want: Path) -> float:
     """Assert the two runs rolled out, scored and counted the same; the LoRA difference relative to the update."""
     (g,), (w,) = read_metrics(got / "metrics.jsonl"), read_metrics(want / "metrics.jsonl")
     for key in SAME_KEYS:
         assert g[key] == w[key], (key, g[key], w[key])
-    a = load_file(str(got / "lora/pytorch_lora_weights.safetensors"))
-    b = load_file(str(want / "lora/pytorch_lora_weights.safetensors"))
-    assert a.keys() == b.keys() and len(a) == 32  # LoRA on the 2 blocks' self- and cross-attention projections
-    update = max(float(v.abs().max()) for k, v in b.items() if "lora_B" in k)  # LoRA B starts at 0
-    diff = max(float((a[k] - b[k]).abs().max()) for k in a)
-    assert update > 0 and diff <= LORA_RTOL * update, (diff, update)
-    return diff / update
+    diff = _lora_diff(_final_lora(got), _final_lora(want))
+    assert diff <= LORA_RTOL, diff
+    return diff
+
+
+def _resume_copy(run: Path, out: Path, step: int) -> Path:
+    """`run`'s folder as a launch stopped after `step` left it: its later checkpoints and final exports left out
+    (the resumed run drops the later metrics records itself)."""
+    from flowgrpo.checkpoint import checkpoint_name
+
+    def later(folder: str, names: list[str]) -> list[str]:
+        exports = ["lora", "lora_ema", "eval_final.json"] if Path(folder) == run else []
+        return [n for n in names if n.startswith("step_") and n > checkpoint_name(step)] + exports
+
+    shutil.copytree(run, out, ignore=later)
+    return out
 
 
 @pytest.mark.heavy
-def test_wan_step_with_ulysses_2_on_2_ranks_equals_one_process(launch_ranks, monkeypatch, tmp_path):
+def test_wan_step_with_ulysses_2_on_2_ranks_equals_one_process_and_resumes(launch_ranks, monkeypatch, tmp_path):
     """One rollout batch (prompts_per_iteration 1): a data-parallel launch of 2 ranks is refused, so the 2 ranks
-    are one context-parallel group running the same batch, each block on half of the tokens."""
+    are one context-parallel group running the same batch, each block on half of the tokens. Its 2-iteration run
+    checkpoints iteration 1; resumed from there on the same 2 ranks it is the uninterrupted run to the bit, and on
+    one process without context parallelism (another world size) to float32 reduction order."""
     one = _wan_run(launch_ranks, monkeypatch, tmp_path / "one", 1, "prompts_per_iteration=1", sharded=False)
-    cp = _wan_run(launch_ranks, monkeypatch, tmp_path / "cp", 2, "prompts_per_iteration=1",
-                  "model.context_parallel.ulysses=2")  # fmt: skip
-    _same_step(cp, one)
+    two_iters = ("prompts_per_iteration=1", "iterations=2", "checkpoint.every=1")
+    cp = _wan_run(launch_ranks, monkeypatch, tmp_path / "cp", 2, *two_iters, "model.context_parallel.ulysses=2")
+    got, want = read_metrics(cp / "metrics.jsonl"), read_metrics(one / "metrics.jsonl")
+    assert [r["iteration"] for r in got] == [1, 2]
+    for key in SAME_KEYS:  # iteration 1: the same rollout and counts of work as one process
+        assert got[0][key] == want[0][key], (key, got[0][key], want[0][key])
+    assert _lora_diff(_lora_at(cp, 1), _final_lora(one)) <= LORA_RTOL
+
+    # a second launch resumes the CP checkpoint of iteration 1 on the same 2 ranks: iteration 2 is the same work
+    # in the same order, so its record (timings aside) and its LoRA weights are the uninterrupted run's to the bit
+    again = _resume_copy(cp, tmp_path / "again", 1)
+    _wan_run(launch_ranks, monkeypatch, again, 2, *two_iters, "model.context_parallel.ulysses=2", "resume=true")
+    resumed = read_metrics(again / "metrics.jsonl")
+    assert resumed[0] == got[0]  # iteration 1's record is the first launch's, timings included: it did resume
+    for key in set(got[1]) | set(resumed[1]):
+        if not key.startswith("time_") and key != "peak_memory_mb":  # what the host measures
+            assert resumed[1].get(key) == got[1].get(key), (key, resumed[1].get(key), got[1].get(key))
+    assert _lora_diff(_final_lora(again), _final_lora(cp)) == 0.0
+
+    # and in one process without context parallelism: iteration 2 rolls out from exactly the saved weights (the
+    # same rollout as the CP run's), its update sums the same float32 gradients in another order
+    alone = _resume_copy(cp, tmp_path / "alone", 1)
+    _wan_run(launch_ranks, monkeypatch, alone, 1, *two_iters, "resume=true", sharded=False)
+    resumed = read_metrics(alone / "metrics.jsonl")
+    assert resumed[0] == got[0] and [r["iteration"] for r in resumed] == [1, 2]
+    for key in SAME_KEYS:
+        assert resumed[1][key] == got[1][key], (key, resumed[1][key], got[1][key])
+    assert _lora_diff(_final_lora(alone), _final_lora(cp)) <= LORA_RTOL
 
 
 @pytest.mark.heavy
