@@ -1,4 +1,5 @@
-"""method: diffusion_dpo - Diffusion-DPO for flow-matching models (velocity form), online or offline.
+"""method: diffusion_dpo - Diffusion-DPO, online or offline: the velocity form (flow matching) and the
+noise-prediction form (family sd15: DiffusionDPO's own SD1.5 run).
 
 A pair (chosen w, rejected l) of clean latents of one prompt shares a training time sigma and a noise eps:
     x_t = (1 - sigma) x0 + sigma eps,      err(v, x0) = mean_dims (v(x_t, sigma) - (eps - x0))^2   (float32)
@@ -9,6 +10,9 @@ without CFG (rollouts may use CFG, as flow_grpo's). One term = one pair at one (
 2 without. sigma: logit-normal u = sigmoid(N(logit_mean, logit_std)) (or uniform u), sigma = s (1 - u) /
 (1 + (s - 1)(1 - u)) with s = time_shift (the SD3 training scheduler's shift that flow_grpo's index into
 `noise_scheduler.timesteps` applies), floored at 1e-3 (its 1000-step grid).
+Noise-prediction models (adapter.prediction "epsilon": sd15) take DiffusionDPO's form instead: an integer
+timestep t = floor(u T) of the scheduler's T = 1000 training steps (time_sampling uniform: its randint(0, T)),
+x_t = sqrt(abar_t) x0 + sqrt(1 - abar_t) eps, err = mean_dims (eps_theta(x_t, t) - eps)^2; the rest is the same.
 
 sft_coef (default 0: the published Diffusion-DPO) adds the chosen image's own denoising loss, the diffusion form of
 RPO's NLL term on the chosen response (Pang et al. 2024, "Iterative Reasoning Preference Optimization",
@@ -18,12 +22,16 @@ the policy's error on both images, the rejected one faster (likelihood displacem
 
 Pairs. Online (`dpo.data` unset): from each group's rewards (weighted scalar; NaN never paired):
   best_worst: the best and the worst sample of the group (ties: the earlier); a group whose rewards are all
-              equal gives no pair (flow_grpo then pairs samples 1 and 0 anyway; Flow-Factory pairs a sample with
-              itself, which has zero gradient: neither teaches a preference);
+              equal gives no pair (Flow-Factory pairs a sample with itself, which has zero gradient), or with
+              `tied_groups: first_two` flow_grpo's pair (chosen sample 1, rejected sample 0: no real preference,
+              but GenEval's 0 / 1 scores tie whole groups often, so its run trains many such pairs);
   margin:     every (i, j) with R_i - R_j > margin (more pairs per group, each a real preference).
 Offline (`dpo.data: pairs.jsonl`, flowgrpo/t2i/pair_data.py): `dpo.pairs_per_iteration` dataset pairs per
-iteration (seeded epochs), encoded by the VAE once; the rollout is still sampled and scored, so reward_mean tracks
-the policy (its cost is the rollout's: keep group_size and sampler.num_steps small).
+iteration (seeded epochs), encoded by the VAE once (`dpo.encode: once`, kept on the CPU) or when drawn
+(`per_iteration`: DiffusionDPO encodes every step; Pick-a-Pic v2's ~1M pairs do not fit in memory encoded);
+`empty_prompt_fraction` of their prompts become "" (DiffusionDPO's proportion_empty_prompts). The rollout is still
+sampled and scored, so reward_mean tracks the policy (its cost is the rollout's: keep group_size and
+sampler.num_steps small).
 
 Sources. Loss: SalesforceAIResearch/DiffusionDPO @ 5233e75, train.py (model_losses_w/l, ref_diff, inside_term =
 -0.5 * beta_dpo * (model_diff - ref_diff), loss = -logsigmoid(inside_term).mean(): the noise-prediction form,
@@ -33,8 +41,9 @@ into the scheduler's timesteps, shared noise and time per pair, PerPromptStatTra
 argmin pairs) with config/dpo.py (beta 100, rollouts by the "ref" adapter, ref_update_step 1e7 = never);
 X-GenGroup/Flow-Factory @ a0b2bc5, src/flow_factory/trainers/dpo.py DPOTrainer.optimize (the same loss, policy
 rollouts, best / worst per group) with examples/dpo/lora/sd3_5/default.yaml (beta 100, lr 1e-5, 1 time / pair).
-Not ported: DiffusionDPO's noise-prediction form for DDIM models (this method needs a sigma schedule), flow_grpo's
-periodic reference refresh (its recipes never refresh).
+Not ported: flow_grpo's periodic reference refresh (its recipes never refresh), DiffusionDPO's image augmentation
+(random horizontal flip, resize + centre crop: pair_data resizes to the sampler's size) and its VAE posterior
+samples (pair_data encodes the posterior's mode); v-prediction models (SD2-style: no published DPO run).
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ from typing import Any, Literal, Optional
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import Tensor
 
 from ..config import ConfigError
@@ -60,6 +69,7 @@ class DPOConfig(StrictModel):
 
     beta: float = Field(100.0, gt=0)  # flow_grpo config/dpo.py, Flow-Factory; DiffusionDPO (eps form): 5000
     pairs: Literal["best_worst", "margin"] = "best_worst"
+    tied_groups: Literal["skip", "first_two"] = "skip"  # best_worst, all rewards equal: first_two = flow_grpo's
     margin: float = Field(0.0, ge=0)  # pairs: margin -> every (i, j) with R_i - R_j > margin
     timesteps: int = Field(1, ge=1)  # terms per pair per epoch, fresh (sigma, eps) each (flow_grpo: 39)
     time_sampling: Literal["logit_normal", "uniform"] = "logit_normal"
@@ -70,6 +80,17 @@ class DPOConfig(StrictModel):
     data: Optional[str] = None  # offline preference pairs (.jsonl); unset: online pairs from the rollout
     pairs_per_iteration: int = Field(8, ge=1)  # offline: dataset pairs per iteration (all ranks)
     sft_coef: float = Field(0.0, ge=0)  # RPO's supervised term on the chosen side: + sft_coef * err_w(theta)
+    encode: Literal["once", "per_iteration"] = "once"  # offline: VAE-encode the whole file once, or the drawn pairs
+    empty_prompt_fraction: float = Field(0.0, ge=0, lt=1)  # offline: prompts dropped to "" (DiffusionDPO: 0.2)
+
+    @model_validator(mode="after")
+    def _offline_only(self) -> "DPOConfig":
+        if self.empty_prompt_fraction and not self.data:
+            raise ValueError(
+                f"dpo.empty_prompt_fraction {self.empty_prompt_fraction} applies to offline pairs; set dpo.data "
+                "or leave it 0"
+            )
+        return self
 
 
 # --- the formulas --------------------------------------------------------------------------------
@@ -89,11 +110,17 @@ def dpo_loss(
 
 def velocity_error(v: Tensor, eps: Tensor, x0: Tensor) -> Tensor:
     """mean_dims (v - (eps - x0))^2 per row [B] (float32, as both velocity-form sources)."""
-    return ((v.float() - (eps.float() - x0.float())) ** 2).flatten(1).mean(1)
+    return prediction_error(v, eps.float() - x0.float())
 
 
-def preference_pairs(rewards: Tensor, mode: str = "best_worst", margin: float = 0.0) -> Tensor:
-    """(chosen, rejected) flat sample ids [M, 2] (row p * G + i) from rewards [P, G]; NaN never pairs."""
+def prediction_error(pred: Tensor, target: Tensor) -> Tensor:
+    """mean_dims (pred - target)^2 per row [B] (float32, as every source)."""
+    return ((pred.float() - target.float()) ** 2).flatten(1).mean(1)
+
+
+def preference_pairs(rewards: Tensor, mode: str = "best_worst", margin: float = 0.0, tied: str = "skip") -> Tensor:
+    """(chosen, rejected) flat sample ids [M, 2] (row p * G + i) from rewards [P, G]; NaN never pairs. `tied`
+    first_two: a best_worst group whose scored rewards all tie pairs its first two scored samples (2nd chosen)."""
     P, G = rewards.shape
     out: list[tuple[int, int]] = []
     for p in range(P):
@@ -106,6 +133,8 @@ def preference_pairs(rewards: Tensor, mode: str = "best_worst", margin: float = 
             best, worst = ok[int(vals.argmax())], ok[int(vals.argmin())]  # argmax / argmin: the first of ties
             if r[best] > r[worst]:
                 out.append((p * G + int(best), p * G + int(worst)))
+            elif tied == "first_two":  # stat_tracking.py: max_idx == min_idx -> min_idx = 0, max_idx = 1
+                out.append((p * G + int(ok[1]), p * G + int(ok[0])))
         elif mode == "margin":
             for i in ok.tolist():
                 for j in ok.tolist():
@@ -116,14 +145,32 @@ def preference_pairs(rewards: Tensor, mode: str = "best_worst", margin: float = 
     return torch.tensor(out, dtype=torch.long).view(-1, 2)
 
 
+def _draw_u(g: torch.Generator, n: int, s: DPOConfig) -> Tensor:
+    if s.time_sampling == "logit_normal":
+        return torch.sigmoid(s.logit_mean + s.logit_std * torch.randn(n, generator=g))
+    return torch.rand(n, generator=g)
+
+
 def draw_sigmas(g: torch.Generator, n: int, s: DPOConfig) -> Tensor:
     """n training sigmas: flow_grpo's logit-normal index into the shifted 1000-step grid (or uniform)."""
-    if s.time_sampling == "logit_normal":
-        u = torch.sigmoid(s.logit_mean + s.logit_std * torch.randn(n, generator=g))
-    else:
-        u = torch.rand(n, generator=g)
-    t = (1 - u).clamp(1e-3, 1.0)
+    t = (1 - _draw_u(g, n, s)).clamp(1e-3, 1.0)
     return s.time_shift * t / (1 + (s.time_shift - 1) * t)
+
+
+def draw_timesteps(g: torch.Generator, n: int, s: DPOConfig, num_train_timesteps: int) -> Tensor:
+    """n integer training timesteps floor(u T) in [0, T) (float32): uniform u is DiffusionDPO's randint(0, T)."""
+    return (_draw_u(g, n, s) * num_train_timesteps).long().clamp(0, num_train_timesteps - 1).float()
+
+
+def noised(x0: Tensor, eps: Tensor, t: Tensor, alphas_cumprod: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """(x_t, regression target) of clean x0 [B, ...] at times t [B]: the flow path ((1 - t) x0 + t eps, target
+    eps - x0) without alphas_cumprod, else the DDPM one (sqrt(abar) x0 + sqrt(1 - abar) eps, target eps)."""
+    shape = (-1, *([1] * (x0.dim() - 1)))
+    if alphas_cumprod is None:
+        tt = t.view(shape)
+        return (1 - tt) * x0 + tt * eps, eps - x0
+    abar = alphas_cumprod.to(x0.device, torch.float32)[t.long()].view(shape)
+    return abar.sqrt() * x0 + (1 - abar).sqrt() * eps, eps
 
 
 # --- the plug-in ---------------------------------------------------------------------------------
@@ -155,6 +202,7 @@ class DiffusionDPOMethod(ImageMethod):
         super().__init__(ctx)
         s = ctx.cfg.dpo
         self.data: Any = None  # offline pairs, encoded on the first update (the VAE is on its device by then)
+        self.alphas: Optional[Tensor] = None  # noise-prediction models: the scheduler's alphas_cumprod
         self.order: Optional[PromptSampler] = None
         if s.data:
             from .pair_data import load_pairs
@@ -202,7 +250,7 @@ class DiffusionDPOMethod(ImageMethod):
         rewards = self._rewards(rollout, record)
         mine, _ = ctx.dist.localize(torch.arange(rewards.numel()), ctx.cfg.rollout_prompts * L)
         local = rewards.reshape(-1)[mine].view(-1, L)  # this rank's groups, local order
-        pairs = preference_pairs(local, s.pairs, s.margin)
+        pairs = preference_pairs(local, s.pairs, s.margin, s.tied_groups)
         x0 = tree.leaf_latents().flatten(0, 1)
         flat = local.reshape(-1)
         gap = (flat[pairs[:, 0]] - flat[pairs[:, 1]]).float() if pairs.numel() else torch.zeros(0)
@@ -210,26 +258,46 @@ class DiffusionDPOMethod(ImageMethod):
         return PairSet(x0[pairs[:, 0]], x0[pairs[:, 1]], pairs[:, 0] // L, embeds, gap)
 
     def offline_pairs(self, rollout: ScoredRollout, record: dict[str, Any]) -> PairSet:
-        ctx, cfg = self.ctx, self.ctx.cfg
-        self._rewards(rollout, record)  # the policy's own rewards: the run's reward curve
-        if self.data is None:
-            from .pair_data import encode_pairs
+        from .pair_data import encode_pairs
 
-            self.data = encode_pairs(ctx.adapter, self.pair_records, cfg.sampler.height, cfg.sampler.width)
+        ctx, cfg, s = self.ctx, self.ctx.cfg, self.ctx.cfg.dpo
+        H, W = cfg.sampler.height, cfg.sampler.width
+        self._rewards(rollout, record)  # the policy's own rewards: the run's reward curve
         assert self.order is not None
-        ids = torch.tensor(self.order.next(cfg.dpo.pairs_per_iteration))
+        ids = torch.tensor(self.order.next(s.pairs_per_iteration))
         ids = ids[torch.arange(ids.numel()) % ctx.dist.world_size == ctx.dist.rank]  # pair k on rank k % world
-        prompts = [self.data.prompts[i] for i in ids.tolist()]
+        if s.encode == "once":
+            if self.data is None:
+                self.data = encode_pairs(ctx.adapter, self.pair_records, H, W)
+            data, rows = self.data, ids
+        elif ids.numel():  # only this iteration's pairs, encoded now
+            data = encode_pairs(ctx.adapter, [self.pair_records[i] for i in ids.tolist()], H, W)
+            rows = torch.arange(ids.numel())
+        else:  # fewer pairs than ranks: this rank only pads
+            return PairSet(torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.long), None)
+        prompts = [data.prompts[i] for i in rows.tolist()]
+        if s.empty_prompt_fraction and prompts:  # seeded by (seed, iteration): the same on a resumed run
+            g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + ctx.iteration)
+            drop = torch.rand(len(prompts), generator=g) < s.empty_prompt_fraction
+            prompts = ["" if d else p for p, d in zip(prompts, drop.tolist())]
         embeds = ctx.adapter.encode_prompts(prompts) if prompts else None
-        return PairSet(self.data.chosen[ids], self.data.rejected[ids], torch.arange(ids.numel()), embeds)
+        return PairSet(data.chosen[rows], data.rejected[rows], torch.arange(rows.numel()), embeds)
 
     # --- the update ---
 
     def update(self, rollout: ScoredRollout, record: dict[str, Any]) -> None:
         ctx = self.ctx
         cfg, dist, adapter, s = ctx.cfg, ctx.dist, ctx.adapter, ctx.cfg.dpo
-        if not hasattr(rollout.tree.schedule, "sigmas"):
-            raise ConfigError("method 'diffusion_dpo' needs a flow-matching model (sigma schedule)")
+        if adapter.prediction == "epsilon":
+            sched = adapter.pipe.scheduler
+            if getattr(sched.config, "prediction_type", "epsilon") != "epsilon":
+                raise ConfigError(
+                    f"method 'diffusion_dpo': prediction_type '{sched.config.prediction_type}' is not supported; "
+                    "valid: epsilon (sd15) or a flow-matching family"
+                )
+            self.alphas = sched.alphas_cumprod.float()
+        elif not hasattr(rollout.tree.schedule, "sigmas"):
+            raise ConfigError("method 'diffusion_dpo' needs a flow-matching model (sigma schedule) or sd15")
         data = self.offline_pairs(rollout, record) if s.data else self.online_pairs(rollout, record)
         M = data.chosen.shape[0]
         counters = ctx.sampler.counters
@@ -241,9 +309,8 @@ class DiffusionDPOMethod(ImageMethod):
             dev = adapter.device
             x0 = torch.cat([x_w, x_l]).to(dev).float()
             eps = term.eps.to(dev).float().repeat(2, *([1] * (x0.dim() - 1)))
-            sigma = term.sigma.to(dev).float().repeat(2)
-            ss = sigma.view(-1, *([1] * (x0.dim() - 1)))
-            x_t = (1 - ss) * x0 + ss * eps
+            sigma = term.sigma.to(dev).float().repeat(2)  # sigma, or the integer timestep (noise prediction)
+            x_t, target = noised(x0, eps, sigma, self.alphas)
             rows = data.embeds.index(data.rows[term.pairs].repeat(2))
             v = adapter.model_output(x_t, sigma, rows, guidance, "none")
             with torch.no_grad(), ctx.reference() as ref:
@@ -251,7 +318,7 @@ class DiffusionDPOMethod(ImageMethod):
             B = term.pairs.numel()
             counters.nfe_grad += 2 * B
             counters.nfe_nograd += 2 * B
-            err, ref_err = velocity_error(v, eps, x0), velocity_error(v_ref, eps, x0)
+            err, ref_err = prediction_error(v, target), prediction_error(v_ref, target)
             per, inside = dpo_loss(err[:B], err[B:], ref_err[:B], ref_err[B:], s.beta, s.sft_coef)
             loss = per.sum() * scale / norm
             metrics = {
@@ -273,7 +340,8 @@ class DiffusionDPOMethod(ImageMethod):
         def padding_loss(norm: float) -> Tensor:  # a sharded run's extra pass: a real forward, coefficient 0
             if M == 0:
                 raise RuntimeError(f"rank {dist.rank} holds no preference pair this iteration; nothing to pad with")
-            term = PairTerm(torch.zeros(1, dtype=torch.long), torch.full((1,), 0.5), torch.zeros_like(data.chosen[:1]))
+            t = 500.0 if self.alphas is not None else 0.5  # a mid time on either scale
+            term = PairTerm(torch.zeros(1, dtype=torch.long), torch.full((1,), t), torch.zeros_like(data.chosen[:1]))
             return loss_of(term, 1.0, 0.0)[0]
 
         result = run_update(self._layout(M, data.chosen), micro_loss, padding_loss, ctx.optimizer_step, dist)
@@ -298,7 +366,10 @@ class DiffusionDPOMethod(ImageMethod):
                 terms = []
                 for micro in mini.split(cfg.train.micro_batch_size) if mini.numel() else ():
                     for _ in range(s.timesteps):
-                        sigma = draw_sigmas(g, micro.numel(), s)
+                        if self.alphas is not None:
+                            sigma = draw_timesteps(g, micro.numel(), s, self.alphas.numel())
+                        else:
+                            sigma = draw_sigmas(g, micro.numel(), s)
                         eps = torch.randn(chosen[micro].shape, generator=g)
                         terms.append(PairTerm(micro, sigma, eps))
                 norm = dist.sum(float(mini.numel() * s.timesteps))

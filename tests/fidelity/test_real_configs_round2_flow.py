@@ -60,6 +60,10 @@ LAUNCHES = {
     "diffusion_nft": Launch(8, _NFT_BSZ, _NFT_BATCHES, 24, _NFT_BATCHES, 1, "amp", "fp16"),
     # scripts/grpo_dino.sh (--num_processes 8, deepspeed_zero2.yaml); grpo.py:dino_cotrain_sd3_patch_fast (bf16)
     "adv_grpo": Launch(8, 8, int(48 / (8 * 8 / 16)), 16, int(48 / (8 * 8 / 16)) // 2, 6, "deepspeed", "bf16"),
+    # flow_grpo scripts/single_node/dpo.sh / sft.sh (--num_processes=1, multi_gpu.yaml fp16); config/dpo.py and
+    # config/sft.py:geneval_sd3
+    "dpo": Launch(1, 24, 1, 24, 1, 1, "amp", "fp16"),
+    "sft": Launch(1, 24, 1, 24, 1, 1, "amp", "fp16"),
 }
 DTYPE = {"fp16": "float16", "bf16": "bfloat16"}
 
@@ -70,7 +74,9 @@ def _cfg(recipe: str):
 
 def test_every_sd35m_recipe_has_a_launch():
     sd3 = {p.stem for p in REAL_DIR.glob("*.yaml") if not p.name.startswith("_") and _cfg(p.stem).model.family == "sd3"}
-    assert sd3 == set(LAUNCHES)
+    # AWM's and Flow-DPPO's launches (their own codebases' batch arithmetic): test_real_configs_methods_awm.py
+    own_launch_tests = {"awm", "awm_ocr", "awm_pickscore", "ff_sd35m_awm", "flow_dppo"}
+    assert sd3 - own_launch_tests == set(LAUNCHES)
 
 
 def test_the_launch_arithmetic_of_each_published_run():
@@ -127,6 +133,9 @@ def test_prompt_encoding_seed_and_judges(recipe):
     assert cfg.seed == 42  # config/base.py of every codebase here
     if recipe == "gardo":  # the OCR task: ocr 0.8, aesthetic 0.1, imagereward 0.1 (config/gardo.py reward_fn)
         assert [(r.name, r.weight) for r in cfg.rewards] == [("ocr", 0.8), ("aesthetic", 0.1), ("imagereward", 0.1)]
+        return
+    if recipe in ("dpo", "sft"):  # config/dpo.py, config/sft.py:geneval_sd3 (reward_fn geneval 1.0)
+        assert [(r.name, r.weight) for r in cfg.rewards] == [("geneval", 1.0)]
         return
     pick = [r for r in cfg.rewards if r.name == "pickscore"]
     assert len(pick) == 1 and pick[0].settings == {"dtype": "float32", "preprocess": "pil"}

@@ -73,6 +73,9 @@ def test_pairs_best_worst_and_margin():
     m = preference_pairs(r, "margin", margin=0.35).tolist()
     assert m == [[1, 0], [1, 2], [2, 0], [3, 0], [3, 2]]  # 0.9 - 0.5 = 0.4 > 0.35; group 2: 0.2 apart, none
     assert preference_pairs(r[3:], "best_worst").shape == (0, 2)  # one scored sample: no pair
+    # flow_grpo's stat_tracking.py on an all-tied group: max_idx 1 chosen, min_idx 0 rejected (first two scored)
+    assert preference_pairs(r, "best_worst", tied="first_two").tolist() == [[1, 0], [5, 4], [11, 9]]
+    assert preference_pairs(r[3:], "best_worst", tied="first_two").shape == (0, 2)
 
 
 def test_sigmas_are_flow_grpo_logit_normal_indices_shifted():
@@ -128,3 +131,105 @@ def test_one_offline_iteration_trains_the_dataset_pairs(recipe_config):
     assert r["nfe_grad"] == 2 * 8 * cfg.dpo.timesteps
     assert r["nfe_nograd"] == r["rollout_nfe_nograd"] + 2 * 8 * cfg.dpo.timesteps
     assert r["backward_passes"] == cfg.train.mini_batches * cfg.dpo.timesteps  # 8 pairs fit one micro-batch
+
+
+def test_noise_prediction_form_is_diffusers_add_noise_with_the_noise_as_target():
+    """sd15: x_t = DDPMScheduler.add_noise(x0, eps, t) (DiffusionDPO's), the target eps; flow: (1 - t) x0 + t eps."""
+    from diffusers import DDPMScheduler
+
+    from flowgrpo.t2i.dpo import noised
+
+    sched = DDPMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear")
+    g = torch.Generator().manual_seed(0)
+    x0, eps = torch.randn(3, 4, 2, 2, generator=g), torch.randn(3, 4, 2, 2, generator=g)
+    t = torch.tensor([0.0, 499.0, 999.0])
+    x_t, target = noised(x0, eps, t, sched.alphas_cumprod)
+    assert torch.allclose(x_t, sched.add_noise(x0, eps, t.long()), atol=1e-6) and torch.equal(target, eps)
+    x_f, target_f = noised(x0, eps, torch.tensor([0.0, 0.5, 1.0]), None)
+    assert torch.equal(x_f[0], x0[0]) and torch.equal(x_f[2], eps[2]) and torch.equal(target_f, eps - x0)
+
+
+def test_noise_prediction_timesteps_uniform_is_randint_over_the_training_grid():
+    g = torch.Generator().manual_seed(0)
+    from flowgrpo.t2i.dpo import draw_timesteps
+
+    t = draw_timesteps(g, 50000, DPOConfig(time_sampling="uniform"), 1000)
+    assert torch.equal(t, t.round()) and int(t.min()) == 0 and int(t.max()) == 999
+    assert float(t.mean()) == pytest.approx(499.5, abs=5)  # uniform over {0, ..., 999}
+    assert torch.bincount(t.long(), minlength=1000).min() > 0
+
+
+def test_empty_prompt_fraction_needs_offline_pairs():
+    with pytest.raises(ValueError, match=r"dpo.empty_prompt_fraction 0.2 applies to offline pairs"):
+        DPOConfig(empty_prompt_fraction=0.2)
+    assert DPOConfig(empty_prompt_fraction=0.2, data="pairs.jsonl").empty_prompt_fraction == 0.2
+
+
+def test_sd15_offline_iteration_noise_prediction_form_encoded_per_iteration(recipe_config, monkeypatch):
+    """DiffusionDPO's shape on the tiny sd15: eps form, pairs VAE-encoded when drawn, prompts dropped to "";
+    at theta = ref every pair-term's loss is log 2."""
+    from flowgrpo.t2i import pair_data, train_t2i
+    from flowgrpo.t2i import dpo as dpo_module
+
+    encoded: list[int] = []
+    real_encode = pair_data.encode_pairs
+    monkeypatch.setattr(pair_data, "encode_pairs", lambda a, p, h, w: encoded.append(len(p)) or real_encode(a, p, h, w))
+    seen: list[str] = []
+    real_noised = dpo_module.noised
+    monkeypatch.setattr(
+        dpo_module,
+        "noised",
+        lambda x0, e, t, a: seen.append("eps" if a is not None else "flow") or real_noised(x0, e, t, a),
+    )
+    cfg = recipe_config(
+        "diffusion_dpo_offline", "model.family=sd15", "iterations=1", "artifacts.grid_every=0", "group_size=2",
+        "sampler.num_steps=2", "dpo.encode=per_iteration", "dpo.empty_prompt_fraction=0.5", "dpo.sft_coef=0",
+        "dpo.time_sampling=uniform", "dpo.pairs_per_iteration=3", "dpo.timesteps=1", "train.mini_batches=1",
+    )  # fmt: skip
+    (r,) = train_t2i(cfg)
+    assert encoded == [3] and r["dpo/pairs"] == 3  # this iteration's 3 pairs, not the file's 4
+    assert seen and set(seen) == {"eps"}
+    assert r["nfe_grad"] == 2 * 3 and r["loss/policy"] == pytest.approx(math.log(2), abs=1e-4)
+
+
+def test_pickapic_rows_convert_to_pairs_the_loader_reads(tmp_path):
+    """scripts/pickapic_to_pairs.py on fake Pick-a-Pic rows: no-decision rows dropped, label_0 = 0 swaps the sides."""
+    import base64
+    import importlib.util
+    import io
+
+    from PIL import Image
+
+    spec = importlib.util.spec_from_file_location(
+        "pickapic_to_pairs", Path(__file__).resolve().parents[2] / "scripts" / "pickapic_to_pairs.py"
+    )
+    assert spec is not None and spec.loader is not None
+    conv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conv)
+
+    def png(value: int) -> str:
+        buf = io.BytesIO()
+        Image.new("RGB", (8, 8), (value, value, value)).save(buf, format="PNG")
+        return base64.b64encode(buf.getvalue()).decode()
+
+    rows = [
+        {"caption": "bright first", "jpg_0": png(250), "jpg_1": png(10), "label_0": 1},
+        {"caption": "a tie", "jpg_0": png(250), "jpg_1": png(10), "label_0": 0.5},
+        {"caption": "bright second", "jpg_0": png(10), "jpg_1": png(250), "label_0": 0},
+    ]
+    src = tmp_path / "rows.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    counts = conv.convert([src], tmp_path / "out")
+    assert counts == {"pairs": 2, "no_decision": 1}
+    pairs = load_pairs(tmp_path / "out" / "pairs.jsonl")
+    assert [p.prompt for p in pairs] == ["bright first", "bright second"]
+    for p in pairs:  # the preferred (bright) image is the chosen one
+        assert (
+            float(read_image(p.chosen, p.where, 8, 8).mean())
+            > 0.9
+            > 0.1
+            > float(read_image(p.rejected, p.where, 8, 8).mean())
+        )
+    src.write_text(json.dumps({"caption": "x", "jpg_0": png(1), "label_0": 1}) + "\n", encoding="utf-8")
+    with pytest.raises(SystemExit, match=r"rows\.jsonl:1: missing column\(s\) \['jpg_1'\]"):
+        conv.convert([src], tmp_path / "bad")

@@ -62,3 +62,38 @@ def test_one_iteration_trains_only_the_kept_samples(recipe_config):
     assert r["nfe_grad"] == kept * cfg.sft.timesteps and r["nfe_nograd"] == r["rollout_nfe_nograd"]
     assert r["backward_passes"] == cfg.sft.timesteps and r["optimizer_steps"] == 1
     assert r["sft/kept_reward_mean"] >= r["reward_mean"]
+
+
+def test_max_keeps_every_sample_tied_at_the_maximum():
+    """flow_grpo's type 'sft': (rewards == max(rewards)) per group, so ties are all kept."""
+    rewards = torch.tensor([[1.0, 0.0, 1.0, 1.0], [0.5, NAN, 0.25, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    w = group_weights(rewards, "max").reshape(-1)
+    assert w.tolist() == pytest.approx([1 / 3, 0.0, 1 / 3, 1 / 3] + [1.0, 0.0, 0.0, 0.0] + [0.25] * 4, rel=1e-6)
+
+
+def test_samples_normalization_is_flow_grpo_plain_batch_mean():
+    """normalize: samples -> sum_kept coef_i err_i / sum_kept norm_i = mean over all scored samples of a_i err_i,
+    a_i = 1 on the group maximum (train_sd3_sft.py: torch.mean(advantages * (v - target)^2))."""
+    from flowgrpo.t2i.sft import samples_normalized
+
+    rewards = torch.tensor([[1.0, 0.0, 1.0, 0.5], [0.2, 0.7, 0.1, 0.3]], dtype=torch.float64)
+    err = torch.tensor([0.3, 0.9, 0.5, 0.2, 0.4, 0.8, 0.6, 0.1], dtype=torch.float64)
+    coef, norm = samples_normalized(group_weights(rewards, "max"), torch.isfinite(rewards), "max")
+    kept = norm > 0
+    ours = (coef.double()[kept] * err[kept]).sum() / norm.double()[kept].sum()
+    a = (rewards == rewards.max(1, keepdim=True).values).double().reshape(-1)  # flow_grpo's advantages
+    assert float(ours) == pytest.approx(float((a * err).mean()), rel=1e-12)
+    assert coef[kept].tolist() == [1.0, 1.0, 1.0]
+    rwr, _ = samples_normalized(group_weights(rewards.float(), "rwr"), torch.isfinite(rewards), "rwr")
+    assert float(rwr.view(2, 4).mean(1)[0]) == pytest.approx(1.0, rel=1e-6)  # rwr: mean coefficient 1 per group
+
+
+def test_sample_with_reference_needs_the_reference():
+    from flowgrpo.t2i.sft import SFTMethod
+
+    class Cfg:
+        sft = type("S", (), {"kl_coef": 0.0, "sample_with": "reference"})()
+
+    assert SFTMethod.needs_reference(Cfg())
+    Cfg.sft.sample_with = "policy"
+    assert not SFTMethod.needs_reference(Cfg())
