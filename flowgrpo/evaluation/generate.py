@@ -123,8 +123,11 @@ def generate_images(cfg: GenerateInput, run_dir: str | Path, progress: bool = Tr
         latents = tree.leaf_latents().flatten(0, 1)  # [P*k, C, h, w], prompt-major
         pixels: list = []
         with torch.no_grad():
-            for part in latents.split(max(1, cfg.batch_size)):
-                decoded = adapter.decode(part)  # images [B, 3, H, W] or a video family's clips [B, F, 3, H, W]
+            each = max(1, cfg.batch_size)
+            row_prompts = [r.prompt for r in chunk for _ in range(k)]
+            for s, part in enumerate(latents.split(each)):
+                # images [B, 3, H, W] or a video family's clips [B, F, 3, H, W]
+                decoded = adapter.decode(part, row_prompts[s * each : (s + 1) * each])
                 pixels.append(list(decoded) if decoded.ndim == 5 else to_uint8_hwc(decoded))
         for j, array in enumerate(a for block in pixels for a in block):
             p, g = start + j // k, j % k

@@ -134,7 +134,7 @@ def sd35_check(
     def ours():
         tree = sampler.run(adapter, prompts, plan, G, torch.Generator().manual_seed(0))
         with torch.no_grad():
-            return tree, adapter.decode(tree.leaf_latents().flatten(0, 1))
+            return tree, adapter.decode(tree.leaf_latents().flatten(0, 1), [p for p in prompts for _ in range(G)])
 
     def diffusers_loop():
         return adapter.pipe(

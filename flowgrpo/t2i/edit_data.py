@@ -101,7 +101,8 @@ def load_image(path: Path, where: str, spec: ImageSpec) -> torch.Tensor:
 
 
 def check_family(prompts: Sequence[str], family: str, what: str = "data") -> None:
-    """An editing family (an EditAdapter) needs every row to name its images; the others take none."""
+    """An editing family (an EditAdapter: also wan2.2_i2v, whose image is the first frame) needs every row to name its
+    images; the others take none."""
     from pipelines.adapters import ADAPTERS
     from pipelines.adapters.editing import EditAdapter, EditPrompt
 
@@ -111,14 +112,17 @@ def check_family(prompts: Sequence[str], family: str, what: str = "data") -> Non
     edits = issubclass(cls, EditAdapter)
     with_images = sum(isinstance(p, EditPrompt) for p in prompts)
     if edits and with_images < len(prompts):
+        row, text = next((i, p) for i, p in enumerate(prompts, 1) if not isinstance(p, EditPrompt))
         raise ConfigError(
             f"{what}: model family '{family}' edits images: every prompt row needs 'images' (a .jsonl file with "
-            f'{{"prompt": ..., "images": [paths]}}); {len(prompts) - with_images} of {len(prompts)} rows name none'
+            f'{{"prompt": ..., "images": [paths]}}); {len(prompts) - with_images} of {len(prompts)} rows name none '
+            f"(the first: row {row}, {str(text)[:60]!r})"
         )
     if not edits and with_images:
+        takers = sorted(name for name, c in ADAPTERS.items() if issubclass(c, EditAdapter))
         raise ConfigError(
             f"{what}: {with_images} prompt rows name input images, but model family '{family}' does not edit "
-            "images (flux_kontext, qwenimage_edit, qwenimage_edit_plus do)"
+            f"images ({', '.join(takers)} do)"
         )
 
 

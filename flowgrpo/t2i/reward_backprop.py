@@ -275,7 +275,7 @@ class RewardBackpropMethod(ImageMethod):
             for x in starts:
                 x_end = denoise(velocity, x, start, steps, schedule, predict_x0, s.checkpointing, kernel, settings)
                 R, parts = weighted_reward(
-                    adapter.decode(x_end),
+                    adapter.decode(x_end, [rollout.prompts[i] for i in local]),
                     [rollout.prompts[i] for i in local],
                     {k: [meta[i].get(k) for i in local] for k in keys},
                     self.scorers,

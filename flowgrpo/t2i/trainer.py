@@ -14,6 +14,7 @@ One training step (the shared loop, flowgrpo/run/loop.py, runs it and owns check
 
 from __future__ import annotations
 
+import functools
 import math
 import resource
 import time
@@ -190,11 +191,12 @@ class T2ITrainer(RunLoop):
             if tree.probe_latents is not None:
                 lat.append(tree.probe_latents)
                 rows += tree.prompt[tree.probe_nodes].tolist()
+            row_prompts = [prompts[r] for r in rows]
             futures.append(
                 self.rewards.submit(
-                    self.adapter.decode,
+                    functools.partial(self.adapter.decode, prompts=row_prompts),  # wan2.2_i2v decodes its first frame
                     torch.cat(lat),
-                    [prompts[r] for r in rows],
+                    row_prompts,
                     [meta[r] for r in rows],
                     G,
                     int(real.sum()),
@@ -336,7 +338,8 @@ class T2ITrainer(RunLoop):
             tree = Sampler(self.cfg.sampler.model_copy(update=update)).run(
                 self.adapter, prompts, build_plan("ode_only", steps), per_prompt, torch.Generator().manual_seed(seed)
             )
-            return self.adapter.decode(tree.leaf_latents().flatten(0, 1))
+            rows = [p for p in prompts for _ in range(per_prompt)]  # wan2.2_i2v decodes each row's first frame
+            return self.adapter.decode(tree.leaf_latents().flatten(0, 1), rows)
 
     @torch.no_grad()
     def evaluate(self, tag: str) -> dict[str, float]:

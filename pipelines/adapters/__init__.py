@@ -22,6 +22,7 @@ from .sd3 import SD3Adapter
 from .sd15 import SD15Adapter
 from .wan import WanAdapter
 from .wan22 import Wan22Adapter
+from .wan22_i2v import Wan22I2VAdapter
 from .zimage import ZImageAdapter
 
 ADAPTERS: dict[str, type[Adapter]] = {
@@ -37,6 +38,7 @@ ADAPTERS.update(
 ADAPTERS[WanAdapter.family] = WanAdapter  # video: latents [B, C, F, h, w]
 ADAPTERS.update({cls.family: cls for cls in (HunyuanVideoAdapter, HunyuanVideo15Adapter)})  # video, as Wan
 ADAPTERS[Wan22Adapter.family] = Wan22Adapter  # Wan 2.2: TI2V-5B, T2V-A14B (two experts)
+ADAPTERS[Wan22I2VAdapter.family] = Wan22I2VAdapter  # TI2V-5B image-to-video: prompts carry the first frame
 
 
 def build_adapter(name: str, pretrained: str | os.PathLike | None = None, tiny: bool = False, **kw: Any) -> Adapter:
@@ -54,5 +56,5 @@ __all__ = [
     "ADAPTERS", "CFG_MODES", "LORA_INITS", "Adapter", "Flux2Adapter", "Flux2KleinEditAdapter", "FluxAdapter", "FluxKontextAdapter",
     "HunyuanVideo15Adapter", "HunyuanVideoAdapter",
     "PromptEmbeds", "QwenImageAdapter", "QwenImageEditAdapter", "QwenImageEditPlusAdapter", "SD15Adapter",
-    "SD3Adapter", "Wan22Adapter", "WanAdapter", "ZImageAdapter", "build_adapter",
+    "SD3Adapter", "Wan22Adapter", "Wan22I2VAdapter", "WanAdapter", "ZImageAdapter", "build_adapter",
 ]  # fmt: skip

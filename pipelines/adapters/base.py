@@ -273,9 +273,11 @@ class Adapter(abc.ABC):
 
     # ---- images --------------------------------------------------------------------------------
 
-    def decode(self, latents: Tensor) -> Tensor:
+    def decode(self, latents: Tensor, prompts: Sequence[str] | None = None) -> Tensor:
         """Images [B, 3, H, W] float32 in [0, 1]; latents are un-scaled / un-shifted as the VAE expects.
-        With `decode_batch_size`, decoded in chunks of that many (same images, lower peak memory)."""
+        With `decode_batch_size`, decoded in chunks of that many (same images, lower peak memory). `prompts` (one per
+        row): what a family whose output also holds its prompt's input decodes with (wan2.2_i2v: the first frame);
+        the others ignore them."""
         n = self.decode_batch_size
         if n is not None and latents.shape[0] > n:
             return torch.cat([self._decode(chunk) for chunk in latents.split(n)])

@@ -10,7 +10,8 @@ What WanPipeline (diffusers 0.42, pipelines/wan/pipeline_wan.py) does differentl
   every row by its own sigma, so a re-scored batch that mixes steps of both experts still matches the rollout.
 - TI2V-5B: `expand_timesteps=True`: the transformer takes one timestep per video token ([B, F h w / 4]); for
   text-to-video every token is at t (no conditioning frame). Its VAE (z_dim 48, 16x spatial incl. a 2x2 patchify,
-  4x temporal) is read from its config like Wan 2.1's. Image-to-video (the first latent frame clean) is not here.
+  4x temporal) is read from its config like Wan 2.1's. Image-to-video (the first latent frame clean): family
+  "wan2.2_i2v" (`wan22_i2v.Wan22I2VAdapter`).
 
 Which expert trains (`train_experts`, A14B only): the published Wan 2.2 A14B RL runs train the high-noise expert.
 - Flow-Factory, examples/grpo/full/wan22/t2v.yaml@5f6cda1a3e6be3c971643beb8d1e92e7be4a9638: full fine-tune,
