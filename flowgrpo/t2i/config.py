@@ -179,8 +179,16 @@ class NFTConfig(StrictModel):
 
     beta: float = Field(1.0, gt=0)  # implicit-policy step (0.1 for OCR / multi-reward)
     adv_max: float = Field(5.0, gt=0)  # A -> r = clip(A / adv_max / 2 + 0.5, 0, 1)
+    # Training times on the rollout's sigma grid (flowgrpo/t2i/nft.py): "permutation": int(steps * timestep_fraction)
+    # grid times per sample, a fresh permutation each (NVlabs release); "discrete": `timesteps` grid times per
+    # micro-batch, stratified over the grid sigmas >= 1 - timestep_fraction (Flow-Factory TimeSampler.discrete)
+    time_sampling: Literal["permutation", "discrete"] = "permutation"
+    timesteps: int = Field(2, ge=1)  # discrete: training times per micro-batch (num_train_timesteps)
     timestep_fraction: float = Field(0.99, gt=0, le=1)
     decay: Literal["on_policy", "linear", "delayed"] = "linear"  # old <- lambda old + (1 - lambda) new
+    # the decay's clock: optimizer steps so far, this iteration's included (the release's global_step), or the
+    # 0-based index of the iteration just trained (Flow-Factory's ema_step(step=epoch))
+    decay_clock: Literal["optimizer_steps", "iterations"] = "optimizer_steps"
     kl_coef: float = Field(0.0, ge=0)  # beta_KL * |v - v_ref|^2 (0.0001 in the release)
 
 

@@ -7,6 +7,22 @@ and a noised x_t = (1 - t) x0 + t eps:
     L  = adv_max * mean_batch( r * L(v+) / beta + (1 - r) * L(v-) / beta ) + kl_coef * |v_theta - v_ref|^2
 where L(v) = mean|x0_hat(v) - x0|^2 / sg(max(mean|x0_hat(v) - x0|, 1e-5)), x0_hat(v) = x_t - t v (adaptive
 weighting; the weight in float64, floored at 1e-5, as NVlabs/DiffusionNFT scripts/train_nft_sd3.py).
+
+CFG rollouts (sampler.cfg_mode full) are Flow-Factory's (X-GenGroup/Flow-Factory @ a0b2bc5,
+src/flow_factory/trainers/nft.py): `_compute_nft_output` passes the training arguments (guidance_scale) and the
+sample's negative prompt embeddings to the model adapter's forward, which returns the GUIDED velocity
+v_u + w (v_c - v_u) with no detach (models/flux/flux2_klein.py `_forward`). So v_theta, v_old and v_ref above are
+all guided velocities, both branches with gradient: sampler.train_cfg_mode full, the only mode accepted with CFG
+rollouts. The NVlabs release is CFG-free in practice (its recipes sample at guidance 1.0; with guidance > 1 its
+training loop concatenates the negative embeddings without doubling x_t: scripts/train_nft_sd3.py @ 24af555).
+nft_gardo keeps the CFG-free refusal (its reference penalty runs the conditional velocity).
+
+Training times (nft.time_sampling): "permutation", the release's int(steps * timestep_fraction) grid times per
+sample in a fresh permutation each; "discrete", Flow-Factory's TimeSampler.discrete (utils/noise_schedule.py @
+a0b2bc5): nft.timesteps grid times shared by a micro-batch (Flow-Factory's per-device batch), one per stratum of
+the grid indices whose sigma is >= 1 - timestep_fraction (`timestep_range`). The old policy is Flow-Factory's EMA
+(`off_policy: true`, piecewise_linear flat 0, ramp 0.001, max 0.5 = decay "linear"), stepped once per epoch
+with step = the epoch's 0-based index (nft.decay_clock: iterations).
 """
 
 from __future__ import annotations
@@ -44,6 +60,24 @@ def nft_loss(
     loss_pos = _adaptive_x0_loss(x_t - tt * v_pos, x0)
     loss_neg = _adaptive_x0_loss(x_t - tt * v_neg, x0)
     return adv_max * (r * loss_pos / beta + (1 - r) * loss_neg / beta)
+
+
+def discrete_times(g: torch.Generator, sigmas: Tensor, count: int, fraction: float) -> Tensor:
+    """`count` grid sigmas [count], stratum order: Flow-Factory's TimeSampler.discrete (include_init, no force_init).
+
+    On the scheduler scale t = 1000 sigma, the grid indices with 1000 (1 - fraction) - 1e-3 <= t <= 1000 + 1e-3
+    span [lo, hi]; stratum k is [floor(b_k), floor(b_k+1)) of b = linspace(lo, hi, count + 1), one index drawn
+    uniformly in each (the index itself when the stratum is empty)."""
+    grid = sigmas[:-1].double() * 1000  # the scheduler's timesteps (the terminal sigma is no training time)
+    valid = ((grid >= 1000 * (1 - fraction) - 1e-3) & (grid <= 1000 + 1e-3)).nonzero().squeeze(1)
+    if valid.numel() == 0:
+        raise ConfigError(
+            f"nft.timestep_fraction {fraction} keeps no grid sigma >= {1 - fraction:g} (grid: {sigmas.tolist()})"
+        )
+    bounds = torch.linspace(int(valid.min()), int(valid.max()), count + 1)
+    low, high = bounds[:-1].long(), bounds[1:].long()
+    idx = (low + (torch.rand(count, generator=g) * (high - low)).long()).clamp(0, len(grid) - 1)
+    return sigmas[idx].float()
 
 
 def old_decay(steps: int, kind: str) -> float:
@@ -94,8 +128,19 @@ class NFTMethod(ImageMethod):
             raise ValueError("method 'nft' keeps the old policy as a second LoRA adapter: finetune must be 'lora'")
         if cfg.plan.name not in ("ode_only", "full_sde", "window"):
             raise ValueError(f"method 'nft' trains on clean samples only; plan '{cfg.plan.name}' has no meaning for it")
-        if cfg.sampler.cfg_mode != "none":
-            raise ValueError("method 'nft' is CFG-free: set sampler.cfg_mode none")
+        if cfg.sampler.cfg_mode != "none" and cfg.method != "nft":  # nft_gardo's reference runs the conditional
+            raise ValueError(f"method '{cfg.method}' is CFG-free: set sampler.cfg_mode none")
+        if cfg.sampler.cfg_mode != "none" and cfg.sampler.train_cfg_mode != "full":
+            raise ValueError(
+                "method 'nft' with CFG rollouts trains the guided velocity, both branches with gradient (Flow-Factory): "
+                f"set sampler.train_cfg_mode full (got '{cfg.sampler.train_cfg_mode}'), or sampler.cfg_mode none "
+                "(CFG-free)"
+            )
+
+    def train_cfg_mode(self) -> str:
+        """The loss's CFG: the guided velocity under CFG rollouts (check_config: "full"), else the conditional."""
+        sampler = self.ctx.cfg.sampler
+        return "none" if sampler.cfg_mode == "none" else sampler.train_cfg_mode
 
     def rollout_policy(self) -> ContextManager[Any]:
         return active_lora(self.ctx.adapter, "old")
@@ -149,8 +194,14 @@ class NFTMethod(ImageMethod):
         sig = schedule.sigmas.float() if hasattr(schedule, "sigmas") else None
         if sig is None:
             raise ConfigError("method 'nft' needs a flow-matching model (sigma schedule)")
-        n_t = max(1, int((len(sig) - 1) * nft.timestep_fraction))
-        embeds = adapter.encode_prompts(rollout.prompts)
+        discrete = nft.time_sampling == "discrete"
+        n_t = nft.timesteps if discrete else max(1, int((len(sig) - 1) * nft.timestep_fraction))
+        mode = self.train_cfg_mode()
+        per_row = 1 if mode == "none" else 2  # denoiser rows per sample: CFG runs cond and uncond
+        if mode == "none":
+            embeds = adapter.encode_prompts(rollout.prompts)
+        else:
+            embeds = adapter.encode_prompts(rollout.prompts, cfg.sampler.negative_prompt)
         counters = ctx.sampler.counters
         total = max(ctx.dist.sum(float(keep.numel())) * int(n_t), 1.0)
         terms = {"sum": 0.0, "n": 0}
@@ -163,8 +214,8 @@ class NFTMethod(ImageMethod):
             x_t = (1 - tt) * x_0 + tt * eps.to(x_0.device)
             rows = embeds.index(prompt_of[micro])
             with torch.no_grad(), active_lora(adapter, "old") as old:
-                v_old = old.model_output(x_t, time_, rows, cfg.sampler.guidance_scale, "none")
-            v = adapter.model_output(x_t, time_, rows, cfg.sampler.guidance_scale, "none")
+                v_old = self.velocity(old, x_t, time_, rows)
+            v = self.velocity(adapter, x_t, time_, rows)
             per = nft_loss(v, v_old, x_t, x_0, time_, r.to(v.device), beta=nft.beta, adv_max=nft.adv_max)
             loss = per.sum() / total * cfg.train.mini_batches
             penalty, self._ref_rows = self.reference_penalty(v, x_t, time_, rows, micro, total)
@@ -173,8 +224,8 @@ class NFTMethod(ImageMethod):
         def micro_loss(term: tuple[Tensor, Tensor, Tensor], norm: Any, on_policy: bool) -> MicroLoss:
             micro, time_, eps = term
             loss, per = term_loss(micro, time_, eps, opt_r[micro])
-            counters.nfe_nograd += micro.numel() + self._ref_rows  # the old policy's rows, the reference's
-            counters.nfe_grad += micro.numel()
+            counters.nfe_nograd += (micro.numel() + self._ref_rows) * per_row  # the old policy's rows, the reference's
+            counters.nfe_grad += micro.numel() * per_row
             terms["sum"] += float(per.sum())
             terms["n"] += micro.numel()
             return MicroLoss(loss)
@@ -189,10 +240,13 @@ class NFTMethod(ImageMethod):
                 order = keep[torch.randperm(keep.numel(), generator=g)]
                 minis = list(order.chunk(cfg.train.mini_batches)) if keep.numel() else []
                 minis += [keep[:0]] * (ctx.dist.most(len(minis)) - len(minis))  # every rank steps the optimizer alike
-                yield [MiniBatch(self._terms(mini, g, x0, len(sig) - 1, n_t, sig)) for mini in minis]
+                draw = self._discrete_terms if discrete else self._terms
+                yield [MiniBatch(draw(mini, g, x0, len(sig) - 1, n_t, sig)) for mini in minis]
 
         result = run_update(passes(), micro_loss, padding_loss, ctx.optimizer_step, ctx.dist)
-        decay = old_decay(ctx.optimizer_step.total, nft.decay)  # optimizer steps so far, as the release's global_step
+        iterations = nft.decay_clock == "iterations"
+        # optimizer steps so far, as the release's global_step; or Flow-Factory's epoch index
+        decay = old_decay(ctx.iteration if iterations else ctx.optimizer_step.total, nft.decay)
         soft_update(self.old_params, ctx.params, decay)
         record.update(
             {
@@ -213,8 +267,26 @@ class NFTMethod(ImageMethod):
         if not kl_coef:
             return 0.0, 0
         with torch.no_grad(), self.ctx.reference() as ref:
-            v_ref = ref.model_output(x_t, t, rows, self.ctx.cfg.sampler.guidance_scale, "none")
+            v_ref = self.velocity(ref, x_t, t, rows)
         return kl_coef * ((v - v_ref) ** 2).flatten(1).mean(1).sum() / total, micro.numel()
+
+    def velocity(self, model: Any, x_t: Tensor, t: Tensor, rows: Any) -> Tensor:
+        """The velocity the loss trains: guided under CFG rollouts (both branches, as `model`'s grad mode), else
+        the conditional one."""
+        return model.model_output(x_t, t, rows, self.ctx.cfg.sampler.guidance_scale, self.train_cfg_mode())
+
+    def _discrete_terms(
+        self, mini: Tensor, g: torch.Generator, x0: Tensor, n_grid: int, n_t: int, sig: Tensor
+    ) -> list[tuple[Tensor, Tensor, Tensor]]:
+        """time_sampling discrete: per micro-batch, n_t grid times shared by its samples (discrete_times), then
+        one fresh noise per time, as Flow-Factory's optimize draws them (times first, then each time's noise)."""
+        out: list[tuple[Tensor, Tensor, Tensor]] = []
+        for micro in mini.split(self.ctx.cfg.train.micro_batch_size) if mini.numel() else ():
+            times = discrete_times(g, sig, n_t, self.ctx.cfg.nft.timestep_fraction)
+            out += [
+                (micro, times[j].expand(micro.numel()), torch.randn(x0[micro].shape, generator=g)) for j in range(n_t)
+            ]
+        return out
 
     def _terms(
         self, mini: Tensor, g: torch.Generator, x0: Tensor, n_grid: int, n_t: int, sig: Tensor

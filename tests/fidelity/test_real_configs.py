@@ -622,6 +622,7 @@ def test_every_recipe_is_pinned_and_every_pin_is_a_recipe():
         ("test_real_configs_backprop", "BACKPROP_PINS"),
         ("test_real_configs_methods_awm", "METHODS_AWM_PINS"),
         ("test_real_configs_methods_dpo", "DPO_PINS"),
+        ("test_real_configs_methods_nft", "METHODS_NFT_PINS"),
     ):
         spec = importlib.util.spec_from_file_location(module, Path(__file__).with_name(f"{module}.py"))
         assert spec is not None and spec.loader is not None
