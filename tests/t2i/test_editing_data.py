@@ -149,9 +149,10 @@ def test_an_edit_run_passes_sources_to_scorers_and_draws_source_edit_grids(recip
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("recipe", ["kontext_edit", "qwenimage_edit"])
+@pytest.mark.parametrize("recipe", ["kontext_edit", "qwenimage_edit", "klein_edit"])
 def test_edit_recipe_learns(recipe, tmp_path):
-    # 8 iterations: the gain is 15 (qwenimage_edit) and 45 (kontext_edit) standard errors there, 3x the margin
+    # 8 iterations: the gain is 15 (qwenimage_edit), 45 (kontext_edit) and 52 (klein_edit: one trained SDE step;
+    # 5 to 50 at seeds 3, 5, 7, 9, 11) standard errors there, 3x the margin
     m = learning_margin(recipe, tmp_path, iterations=8)
     assert m["first_learn"] == pytest.approx(m["first_still"], abs=1e-7), m
     assert m["gain"] > 5.0 * m["noise"] and m["gain"] > 0, m
