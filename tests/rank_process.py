@@ -44,6 +44,10 @@ def run_script(script: str, args: list[str], env: dict[str, str], stderr_path: s
     """The body of one rank: `python <script> <args>` with `env`, stdout discarded, stderr into a file."""
     os.environ.clear()
     os.environ.update(env)
+    if env.get("ACCELERATE_USE_DEEPSPEED") == "true":
+        import ds_shm
+
+        ds_shm.skip_shm_kernel()
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)

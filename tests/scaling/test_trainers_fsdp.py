@@ -235,7 +235,9 @@ def accelerate_launch(file: str, script: str, config: str, extra: list[str], tmp
     argv = [sys.executable, "-c", cli, "launch", "--config_file", str(ROOT / "configs/accelerate" / file),
             "--num_processes", "2", "--main_process_port", "0", str(ROOT / "scripts" / script), str(ROOT / config),
             f"output_dir={out}", "progress=false", *extra]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    # tests/deepspeed_cpu: its sitecustomize skips DeepSpeed's CPU shm kernel in ZeRO ranks (tests/ds_shm.py)
+    hooks = os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "deepspeed_cpu")])
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": hooks}
     env = {k: v for k, v in env.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
