@@ -68,7 +68,10 @@ def test_recipe_runs(recipe_config, recipe):
         "grids/eval_before.png",
         "grids/eval_after.png",
         "grids/rollout_000001.png",
-        "lora/pytorch_lora_weights.safetensors",
+        # a full fine-tune (hunyuan_dance_grpo, as its published run) saves a diffusers model folder
+        "lora/pytorch_lora_weights.safetensors"
+        if cfg.model.finetune == "lora"
+        else "transformer/diffusion_pytorch_model.safetensors",
         "checkpoints/step_00000002/state.json",
     ):
         # a video family's grids are clips: save_grid writes them beside the .png name as .mp4 (or .webp)
