@@ -345,7 +345,9 @@ def test_invariant_ragged_group_behaves_like_smaller_group(estimator, seed, G, p
         big = GroupBatch(rewards=t32(big_r), valid=tb(valid))
     cfg = AdvantageConfig(estimator=estimator)
     a, b = compute_advantages(small, cfg), compute_advantages(big, cfg)
-    close(b.advantages[:, :G], np64(a.advantages), rtol=1e-5, atol=1e-6)
+    # float32 sums in another order: a value near 0 after the mean is taken and the std divided keeps ~1e-6 of the
+    # inputs' rounding (win_rate, seed 2542417: 1.5e-6); a masking fault is off by O(0.1)
+    close(b.advantages[:, :G], np64(a.advantages), rtol=1e-5, atol=1e-5)
     close(b.sample_weight[:, :G], np64(a.sample_weight), atol=0)
     assert np.all(np64(b.advantages[:, G:]) == 0) and np.all(np64(b.sample_weight[:, G:]) == 0)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import sys
+from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -16,6 +17,11 @@ from flowgrpo.distributed import Distributed
 from flowgrpo.guards import GuardConfig, NonFiniteGuard
 from flowgrpo.run.optim import OptimizerStep
 from flowgrpo.scaling.zero import ZeroConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import ds_shm  # noqa: E402  (tests/ds_shm.py: no JIT build of DeepSpeed's inference-only shm kernel)
+
+ds_shm.skip_shm_kernel()
 
 
 def model() -> torch.nn.Module:
