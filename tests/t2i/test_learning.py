@@ -29,11 +29,16 @@ RECIPES = [
     "adv_grpo",
 ]
 MARGIN = 5.0  # the gain must exceed this many standard errors of the lr = 0 run
+# recipes that clear the margin 4x over after 8 iterations run 8 (measured 2026-11-27, gain / noise at 8 and 16
+# iterations: vgpo 41 / 108, branchgrpo 58 / 73, branchgrpo_mix 44 / 60, grpo_guard 59 / 136, dance_grpo 23 / 61,
+# flow_grpo_fast 34 / 80, the published FLUX mechanisms 30 / 49); the others need 16 (tp_grpo, mixgrpo_flash and
+# adv_grpo are below 2 at 8 and 8-11 at 16)
+SHORT = {"vgpo", "branchgrpo", "branchgrpo_mix", "grpo_guard", "dance_grpo", "flow_grpo_fast"}
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_learns(recipe, tmp_path):
-    m = learning_margin(recipe, tmp_path, iterations=16)
+    m = learning_margin(recipe, tmp_path, iterations=8 if recipe in SHORT else 16)
     assert m["first_learn"] == pytest.approx(m["first_still"], abs=1e-7), m  # same start: a paired comparison
     assert m["gain"] > MARGIN * m["noise"] and m["gain"] > 0, m
 
@@ -51,6 +56,6 @@ PUBLISHED_FLUX = (
 
 
 def test_published_flux_mechanisms_learn(tmp_path):
-    m = learning_margin("dance_grpo", tmp_path, iterations=16, extra=PUBLISHED_FLUX)
+    m = learning_margin("dance_grpo", tmp_path, iterations=8, extra=PUBLISHED_FLUX)
     assert m["first_learn"] == pytest.approx(m["first_still"], abs=1e-7), m
     assert m["gain"] > MARGIN * m["noise"] and m["gain"] > 0, m
