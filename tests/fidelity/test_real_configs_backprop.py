@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from flowgrpo.t2i import load_t2i_config
-from test_real_configs import _get, _same  # one pin reader for every real-recipe table
+from test_real_configs import assert_pinned  # one pin reader for every real-recipe table
 
 ROOT = Path(__file__).resolve().parents[2]
 REAL_DIR = ROOT / "configs" / "t2i" / "real"
@@ -135,9 +135,7 @@ def _cfg(recipe: str):
 
 @pytest.mark.parametrize("recipe", sorted(BACKPROP_PINS))
 def test_recipe_equals_the_published_run(recipe):
-    cfg = _cfg(recipe)
-    drift = {k: (_get(cfg, k), v) for k, v in BACKPROP_PINS[recipe].items() if not _same(_get(cfg, k), v)}
-    assert not drift, f"{recipe}: keys that moved away from docs/recipes.md (actual, published): {drift}"
+    assert_pinned(_cfg(recipe), recipe, BACKPROP_PINS[recipe])
 
 
 @pytest.mark.parametrize("recipe", sorted(BACKPROP_PINS))

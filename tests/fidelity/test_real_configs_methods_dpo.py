@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from flowgrpo.t2i import load_t2i_config
-from test_real_configs import SD35M, _get, _same  # one pin reader for every real-recipe table
+from test_real_configs import SD35M, assert_pinned  # one pin reader for every real-recipe table
 
 REAL_DIR = Path(__file__).resolve().parents[2] / "configs" / "t2i" / "real"
 
@@ -119,9 +119,7 @@ def _cfg(recipe: str):
 
 @pytest.mark.parametrize("recipe", sorted(DPO_PINS))
 def test_recipe_equals_the_published_run(recipe):
-    cfg = _cfg(recipe)
-    drift = {k: (_get(cfg, k), v) for k, v in DPO_PINS[recipe].items() if not _same(_get(cfg, k), v)}
-    assert not drift, f"{recipe}: keys that moved away from docs/recipes.md (actual, published): {drift}"
+    assert_pinned(_cfg(recipe), recipe, DPO_PINS[recipe])
 
 
 @pytest.mark.parametrize("recipe", sorted(DPO_PINS))

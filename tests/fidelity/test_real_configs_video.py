@@ -159,11 +159,10 @@ VIDEO_PINS: dict[str, dict[str, Any]] = {
 @pytest.mark.parametrize("recipe", sorted(VIDEO_PINS))
 def test_video_recipe_equals_the_published_run(recipe):
     # imported here, not at the top: test_real_configs may import VIDEO_PINS from this module for its recipe census
-    from test_real_configs import _get, _same
+    from test_real_configs import assert_pinned
 
     cfg = load_t2i_config(REAL_DIR / f"{recipe}.yaml")  # every section and cross-check; no adapter is built
-    drift = {key: (_get(cfg, key), want) for key, want in VIDEO_PINS[recipe].items() if not _same(_get(cfg, key), want)}
-    assert not drift, f"{recipe}: keys that moved away from docs/recipes.md (actual, published): {drift}"
+    assert_pinned(cfg, recipe, VIDEO_PINS[recipe])
     for spec in cfg.rewards:  # scorer names and settings exist, without building a scorer
         unknown = set(spec.settings) - set(get_entry(spec.name).settings)
         assert not unknown, f"{recipe}: scorer '{spec.name}' has no setting(s) {sorted(unknown)}"
