@@ -138,7 +138,7 @@ class HunyuanVideoAdapter(VideoAdapter):
     @classmethod
     def _tiny_pipeline(cls, shift: float = 7.0) -> Any:
         """HunyuanVideo-like at test size: 4 latent channels, 4x temporal / 4x spatial VAE, one double- and one
-        single-stream block, 2x2 patches (32 px -> 4 x 4 latent cells -> 2 x 2 tokens a frame)."""
+        single-stream block, 2x2 patches (32 px -> 8 x 8 latent cells -> 4 x 4 tokens a frame)."""
         from diffusers import (
             AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline,
             HunyuanVideoTransformer3DModel,
