@@ -128,10 +128,15 @@ def draw_times(g: torch.Generator, times: MatchingTimes, sigmas: Tensor) -> Tens
         return (times.time_shift * t / (1 + (times.time_shift - 1) * t)).clamp_min(0.01)
     first = 0 if times.time_sampling == "discrete" else 1
     last = max(int(steps * times.timestep_fraction), first + 1)
-    bounds = torch.linspace(first, last, T + 1)
+    return sigmas[stratified_indices(g, first, last, T).clamp(0, steps - 1)].float()
+
+
+def stratified_indices(g: torch.Generator, first: int, last: int, count: int) -> Tensor:
+    """`count` grid indices, one drawn uniformly in each stratum [floor(b_k), floor(b_k+1)) of
+    b = linspace(first, last, count + 1) (the stratum's start when it is empty), in stratum order."""
+    bounds = torch.linspace(first, last, count + 1)
     low, high = bounds[:-1].long(), bounds[1:].long()
-    idx = low + (torch.rand(T, generator=g) * (high - low)).long()
-    return sigmas[idx.clamp(0, steps - 1)].float()
+    return low + (torch.rand(count, generator=g) * (high - low)).long()
 
 
 # --- the EMA policy: a second LoRA adapter (this module is imported by the config: no t2i.model import) ---

@@ -38,6 +38,7 @@ from ..config import ConfigError
 from ..core import TRANSFORMS, GroupBatch, compute_advantages
 from ..core.group_filter import filter_metrics
 from ..run.update import MiniBatch, MicroLoss, pass_generator, run_update
+from .awm import stratified_indices
 from .credit import saturated_group_mask
 from .methods import METHODS, ImageContext, ImageMethod, ScoredRollout
 from .extra_lora import active_lora, add_frozen_lora
@@ -67,16 +68,14 @@ def discrete_times(g: torch.Generator, sigmas: Tensor, count: int, fraction: flo
 
     On the scheduler scale t = 1000 sigma, the grid indices with 1000 (1 - fraction) - 1e-3 <= t <= 1000 + 1e-3
     span [lo, hi]; stratum k is [floor(b_k), floor(b_k+1)) of b = linspace(lo, hi, count + 1), one index drawn
-    uniformly in each (the index itself when the stratum is empty)."""
+    uniformly in each (`awm.stratified_indices`, AWM's draw over another range)."""
     grid = sigmas[:-1].double() * 1000  # the scheduler's timesteps (the terminal sigma is no training time)
     valid = ((grid >= 1000 * (1 - fraction) - 1e-3) & (grid <= 1000 + 1e-3)).nonzero().squeeze(1)
     if valid.numel() == 0:
         raise ConfigError(
             f"nft.timestep_fraction {fraction} keeps no grid sigma >= {1 - fraction:g} (grid: {sigmas.tolist()})"
         )
-    bounds = torch.linspace(int(valid.min()), int(valid.max()), count + 1)
-    low, high = bounds[:-1].long(), bounds[1:].long()
-    idx = (low + (torch.rand(count, generator=g) * (high - low)).long()).clamp(0, len(grid) - 1)
+    idx = stratified_indices(g, int(valid.min()), int(valid.max()), count).clamp(0, len(grid) - 1)
     return sigmas[idx].float()
 
 

@@ -257,7 +257,9 @@ class RewardBackpropMethod(ImageMethod):
             start, steps, predict_x0 = window
             rows_embeds = embeds.index(prompt_of[rows])
             local = prompt_of[rows].tolist()
+            prompts = [rollout.prompts[i] for i in local]
             keys = sorted({k for i in local for k in meta[i]}) if meta else []
+            row_meta = {k: [meta[i].get(k) for i in local] for k in keys}
 
             def velocity(x: Tensor, i: int) -> Tensor:
                 t = times[i].to(x.device).expand(x.shape[0])
@@ -274,12 +276,7 @@ class RewardBackpropMethod(ImageMethod):
             Rs, parts_all = [], []
             for x in starts:
                 x_end = denoise(velocity, x, start, steps, schedule, predict_x0, s.checkpointing, kernel, settings)
-                R, parts = weighted_reward(
-                    adapter.decode(x_end, [rollout.prompts[i] for i in local]),
-                    [rollout.prompts[i] for i in local],
-                    {k: [meta[i].get(k) for i in local] for k in keys},
-                    self.scorers,
-                )
+                R, parts = weighted_reward(adapter.decode(x_end, prompts), prompts, row_meta, self.scorers)
                 ok = torch.isfinite(R.detach())
                 per = per + reward_loss(torch.where(ok, R, torch.zeros_like(R)), s.margin, s.loss_scale) * ok
                 Rs.append(R.detach()[ok])
